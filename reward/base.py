@@ -1,0 +1,25 @@
+"""The one interface every reward model implements."""
+from __future__ import annotations
+
+from typing import Protocol, runtime_checkable
+
+from torch import Tensor
+
+
+@runtime_checkable
+class RewardModel(Protocol):
+    """`score(samples [B,...], cond [B]) -> [B]`; higher is better. `features` is optional."""
+
+    name: str
+
+    def score(self, samples: Tensor, cond: Tensor) -> Tensor: ...
+
+
+def check_scores(name: str, scores: Tensor, batch: int) -> Tensor:
+    """Reject wrong shapes and non-finite rewards with an error naming the model."""
+    if scores.shape != (batch,):
+        raise ValueError(f"reward model {name!r} returned shape {tuple(scores.shape)}, expected ({batch},)")
+    bad = ~scores.isfinite()
+    if bool(bad.any()):
+        raise ValueError(f"reward model {name!r} returned {int(bad.sum())} non-finite scores")
+    return scores

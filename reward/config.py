@@ -1,0 +1,82 @@
+"""Reward settings and the factory that builds the named reward models."""
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, model_validator
+from rich.console import Console
+from rich.table import Table
+
+from reward.base import RewardModel
+from reward.classifiers import ClassifierSpec, DigitClassifierReward, load_classifier
+from reward.jpeg import JpegCompressibilityReward
+from rollout.config import StrictModel
+
+
+def _default_members() -> list[ClassifierSpec]:
+    return [
+        ClassifierSpec(name="cnn", arch="cnn", seed=1, epochs=40),
+        ClassifierSpec(name="mlp", arch="mlp", seed=2, epochs=60),
+        ClassifierSpec(name="linear", arch="linear", seed=3, epochs=60),
+    ]
+
+
+def _default_gold() -> ClassifierSpec:
+    return ClassifierSpec(name="gold", arch="wide_cnn", split="gold", subset_fraction=1.0, seed=4, epochs=60,
+                          augment=True)
+
+
+class RewardConfig(StrictModel):
+    """Which reward trains the policy (`train_on`) and which models only watch (`gold`)."""
+
+    members: list[ClassifierSpec] = Field(default_factory=_default_members)
+    gold: ClassifierSpec = Field(default_factory=_default_gold)
+    jpeg: bool = Field(False, description="add the JPEG-compressibility reward as a member")
+    train_on: str = Field("cnn", description="member name, or 'mean' for the ensemble mean")
+    feature_model: str = Field("cnn", description="member whose features measure diversity")
+    min_proxy_accuracy: float = Field(0.9, ge=0, le=1)
+    min_gold_accuracy: float = Field(0.97, ge=0, le=1)
+
+    @model_validator(mode="after")
+    def _names(self) -> "RewardConfig":
+        names = [m.name for m in self.members] + (["jpeg_compressibility"] if self.jpeg else [])
+        if len(set(names)) != len(names) or self.gold.name in names:
+            raise ValueError(f"reward model names must be unique (members {names}, gold {self.gold.name!r})")
+        if self.gold.split != "gold" or any(m.split == "gold" for m in self.members):
+            raise ValueError("the gold classifier must train on split 'gold' and no member may")
+        if self.train_on != "mean" and self.train_on not in names:
+            raise ValueError(f"train_on={self.train_on!r} must be 'mean' or one of {names}")
+        if self.feature_model not in [m.name for m in self.members]:
+            raise ValueError(f"feature_model={self.feature_model!r} must be a classifier member")
+        return self
+
+
+def build_reward_models(cfg: RewardConfig) -> tuple[list[RewardModel], list[RewardModel], str]:
+    """(members, monitors, feature model name); trains and caches classifiers that are missing."""
+    members: list[RewardModel] = [load_classifier(spec) for spec in cfg.members]
+    if cfg.jpeg:
+        members.append(JpegCompressibilityReward())
+    gold = load_classifier(cfg.gold)
+    for m in members + [gold]:
+        if isinstance(m, DigitClassifierReward) and m.accuracy is not None:
+            need = cfg.min_gold_accuracy if m is gold else cfg.min_proxy_accuracy
+            if m.name == cfg.train_on or m is gold:
+                if m.accuracy < need:
+                    raise RuntimeError(f"classifier {m.name!r} reached {m.accuracy:.3f} < required {need:.2f}")
+    return members, [gold], cfg.feature_model
+
+
+def accuracy_table(models: list[RewardModel]) -> Table:
+    table = Table(title="reward classifiers (held-out real digits)")
+    table.add_column("model")
+    table.add_column("role")
+    table.add_column("test accuracy", justify="right")
+    for m in models:
+        acc = getattr(m, "accuracy", None)
+        role = "gold (never trained on)" if m.name == "gold" else "ensemble member"
+        table.add_row(m.name, role, "-" if acc is None else f"{acc:.1%}")
+    return table
+
+
+def print_accuracies(models: list[RewardModel], console: Console | None = None) -> None:
+    (console or Console()).print(accuracy_table(models))

@@ -1,0 +1,30 @@
+"""Diversity of samples within their groups, measured in a feature network's space."""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+def nearest_neighbour_distance(features: Tensor, group: Tensor) -> Tensor:
+    """d_i = min_{j != i, same group} ||f_i - f_j||_2  ([B]; 0 for a sample alone in its group)."""
+    out = torch.zeros(features.shape[0], dtype=features.dtype)
+    for g in group.unique():
+        idx = torch.nonzero(group == g).flatten()
+        if len(idx) < 2:
+            continue
+        d = torch.cdist(features[idx], features[idx])
+        d.fill_diagonal_(float("inf"))
+        out[idx] = d.min(dim=1).values
+    return out
+
+
+def mean_pairwise_distance(features: Tensor, group: Tensor) -> float:
+    """Mean over groups of the mean pairwise feature distance within the group."""
+    vals = []
+    for g in group.unique():
+        f = features[group == g]
+        n = f.shape[0]
+        if n < 2:
+            continue
+        vals.append(torch.cdist(f, f).sum().item() / (n * (n - 1)))
+    return float(sum(vals) / len(vals)) if vals else 0.0

@@ -1,0 +1,106 @@
+"""Reward ensembles: per-model scores, their mean and spread, and a rank-disagreement uncertainty.
+
+Uncertainty of sample i (within its group g of size n):
+    q_ik = rank_k(i within g) / (n - 1)            normalised rank of i under model k, in [0, 1]
+    u_i  = std_k q_ik                               (population std over the K models)
+0 when every model orders the group the same way; large when they disagree about i.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+from torch import Tensor
+
+from reward.base import RewardModel, check_scores
+
+
+@dataclass
+class EnsembleScores:
+    """Scores of one batch. `reward` is the training reward (`train_on`: a member name or 'mean')."""
+
+    names: list[str]
+    scores: Tensor  # [B,K]
+    mean: Tensor  # [B]
+    std: Tensor  # [B]
+    uncertainty: Tensor  # [B]
+    reward: Tensor  # [B]
+    train_on: str
+    monitors: dict[str, Tensor] = field(default_factory=dict)  # never used for training
+    features: Tensor | None = None
+
+
+def normalised_ranks(scores: Tensor, group: Tensor) -> Tensor:
+    """[B,K] ranks of each sample within its group under each model, scaled to [0, 1]."""
+    out = torch.zeros_like(scores, dtype=torch.float64)
+    for g in group.unique():
+        idx = torch.nonzero(group == g).flatten()
+        if len(idx) < 2:
+            continue
+        ranks = scores[idx].argsort(dim=0).argsort(dim=0).double()
+        out[idx] = ranks / (len(idx) - 1)
+    return out
+
+
+def rank_disagreement(scores: Tensor, group: Tensor | None = None) -> Tensor:
+    """u_i = std over models of sample i's normalised rank in its group ([B]); one group if None."""
+    if group is None:
+        group = torch.zeros(scores.shape[0], dtype=torch.long)
+    return normalised_ranks(scores, group).std(dim=1, unbiased=False).to(scores.dtype)
+
+
+def combine_scores(
+    names: Sequence[str], scores: Tensor, group: Tensor | None, train_on: str
+) -> EnsembleScores:
+    """Mean, spread, uncertainty and the training reward from per-model scores [B,K]."""
+    names = list(names)
+    if train_on != "mean" and train_on not in names:
+        raise ValueError(f"train_on={train_on!r} is neither 'mean' nor one of the members {names}")
+    mean = scores.mean(dim=1)
+    reward = mean if train_on == "mean" else scores[:, names.index(train_on)]
+    return EnsembleScores(
+        names=names, scores=scores, mean=mean, std=scores.std(dim=1, unbiased=False),
+        uncertainty=rank_disagreement(scores, group), reward=reward, train_on=train_on,
+    )
+
+
+class RewardEnsemble:
+    """In-process ensemble; the Ray Serve application composes the same pieces over deployments."""
+
+    def __init__(
+        self,
+        members: Sequence[RewardModel],
+        train_on: str,
+        monitors: Sequence[RewardModel] = (),
+        feature_model: RewardModel | None = None,
+    ):
+        if not members:
+            raise ValueError("an ensemble needs at least one member")
+        self.members = list(members)
+        self.monitors = list(monitors)
+        self.train_on = train_on
+        self.feature_model = feature_model
+        self.name = "ensemble"
+
+    def score_all(self, samples: Tensor, cond: Tensor, group: Tensor | None = None) -> EnsembleScores:
+        B = samples.shape[0]
+        cols = [check_scores(m.name, m.score(samples, cond), B) for m in self.members]
+        out = combine_scores([m.name for m in self.members], torch.stack(cols, dim=1), group, self.train_on)
+        out.monitors = monitor_scores(self.monitors, samples, cond)
+        if self.feature_model is not None:
+            out.features = self.feature_model.features(samples)  # type: ignore[attr-defined]
+        return out
+
+    def score(self, samples: Tensor, cond: Tensor) -> Tensor:
+        return self.score_all(samples, cond).reward
+
+
+def monitor_scores(monitors: Sequence[RewardModel], samples: Tensor, cond: Tensor) -> dict[str, Tensor]:
+    """Scores (and, for classifiers, top-1 correctness as `<name>_correct`) of monitor-only models."""
+    out: dict[str, Tensor] = {}
+    for m in monitors:
+        out[m.name] = check_scores(m.name, m.score(samples, cond), samples.shape[0])
+        if hasattr(m, "correct"):
+            out[f"{m.name}_correct"] = m.correct(samples, cond)  # type: ignore[attr-defined]
+    return out

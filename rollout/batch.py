@@ -1,0 +1,105 @@
+"""`RolloutBatch`: the one type that carries a rollout from sampler to reward to learner."""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import torch
+from torch import Tensor
+
+# Fields indexed by sample (first dimension = batch); everything else is shared by the batch.
+PER_SAMPLE_FIELDS = (
+    "cond", "group", "samples", "traj", "old_logp",
+    "rewards", "advantages", "uncertainty", "features",
+)
+
+
+@dataclass
+class RolloutBatch:
+    """A batch of sampled trajectories.
+
+    cond [B]: class / prompt ids.  group [B]: prompt group (GRPO statistics are taken within it).
+    samples [B,...]: final samples x_0.  traj [B,T+1,...]: x_T ... x_0 (one latent per inference step).
+    old_logp [B,T]: log pi_old(x_{t_prev} | x_t) per step (0 where the step is not stochastic).
+    timesteps [T]: model timesteps per inference step.  trainable [T]: step is stochastic (sigma >= 1e-3).
+    rewards [B,K] with reward_names [K]; the column named `reward_key` is the training reward.
+    """
+
+    cond: Tensor
+    group: Tensor
+    samples: Tensor
+    traj: Tensor
+    old_logp: Tensor
+    timesteps: Tensor
+    trainable: Tensor
+    rewards: Tensor | None = None
+    reward_names: list[str] = field(default_factory=list)
+    reward_key: str | None = None
+    advantages: Tensor | None = None
+    uncertainty: Tensor | None = None
+    features: Tensor | None = None
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    def __len__(self) -> int:
+        return int(self.cond.shape[0])
+
+    @property
+    def num_steps(self) -> int:
+        return int(self.timesteps.shape[0])
+
+    def replace(self, **changes: Any) -> "RolloutBatch":
+        return dataclasses.replace(self, **changes)
+
+    def index(self, idx: Tensor | slice | Sequence[int]) -> "RolloutBatch":
+        """Select samples; shared fields are kept as they are."""
+        if not isinstance(idx, (slice, Tensor)):
+            idx = torch.as_tensor(list(idx), dtype=torch.long)
+        changes = {
+            name: getattr(self, name)[idx]
+            for name in PER_SAMPLE_FIELDS
+            if getattr(self, name) is not None
+        }
+        return self.replace(**changes)
+
+    def split(self, micro_batch_size: int) -> list["RolloutBatch"]:
+        """Consecutive micro-batches of at most `micro_batch_size` samples."""
+        if micro_batch_size < 1:
+            raise ValueError(f"micro_batch_size must be >= 1, got {micro_batch_size}")
+        return [self.index(slice(i, i + micro_batch_size)) for i in range(0, len(self), micro_batch_size)]
+
+    def train_reward(self) -> Tensor:
+        """The reward column the policy is trained on ([B])."""
+        if self.rewards is None or self.reward_key is None:
+            raise ValueError("batch has no rewards yet: score it before training")
+        return self.rewards[:, self.reward_names.index(self.reward_key)]
+
+    def to(self, dtype: torch.dtype | None = None, device: torch.device | str | None = None) -> "RolloutBatch":
+        """Move floating-point tensors to `dtype`/`device` (integer tensors keep their dtype)."""
+
+        def move(t: Tensor | None) -> Tensor | None:
+            if t is None:
+                return None
+            return t.to(device=device, dtype=dtype if (dtype is not None and t.is_floating_point()) else None)
+
+        names = PER_SAMPLE_FIELDS + ("timesteps", "trainable")
+        return self.replace(**{n: move(getattr(self, n)) for n in names})
+
+    @staticmethod
+    def concat(batches: Sequence["RolloutBatch"]) -> "RolloutBatch":
+        """Join batches from several workers (shared fields must agree)."""
+        if not batches:
+            raise ValueError("concat needs at least one batch")
+        first = batches[0]
+        for b in batches[1:]:
+            if not torch.equal(b.timesteps, first.timesteps) or b.reward_names != first.reward_names:
+                raise ValueError("batches disagree on timesteps or reward names")
+        changes = {}
+        for name in PER_SAMPLE_FIELDS:
+            parts = [getattr(b, name) for b in batches]
+            if all(p is None for p in parts):
+                continue
+            if any(p is None for p in parts):
+                raise ValueError(f"field {name!r} is set in some batches and not in others")
+            changes[name] = torch.cat(parts)
+        return first.replace(**changes)

@@ -1,0 +1,62 @@
+"""One cache directory for built artefacts, keyed by config, written atomically."""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any, Callable
+
+
+def cache_root() -> Path:
+    """`$STEADYRL_CACHE`, else `~/.cache/steadyrl`."""
+    root = Path(os.environ.get("STEADYRL_CACHE", Path.home() / ".cache" / "steadyrl")).expanduser()
+    root.mkdir(parents=True, exist_ok=True)
+    return root
+
+
+def config_key(config: Any) -> str:
+    """A short stable hash of a JSON-able config."""
+    blob = json.dumps(config, sort_keys=True, default=str).encode()
+    return hashlib.sha256(blob).hexdigest()[:12]
+
+
+def torch_extensions_dir() -> Path:
+    """Where DeepSpeed's compiled C++ ops are cached (set as TORCH_EXTENSIONS_DIR)."""
+    path = cache_root() / "torch_extensions"
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def build_dir_atomically(target: Path, build: Callable[[Path], None]) -> Path:
+    """Run `build(tmp_dir)` and move the result to `target` in one rename.
+
+    A crash mid-build leaves only a temp folder (removed), never a half-written `target`.
+    If another process finished first, its result is kept.
+    """
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+    try:
+        build(tmp)
+        try:
+            os.rename(tmp, target)
+        except OSError:
+            if not target.exists():
+                raise
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def write_text_atomically(path: Path, text: str) -> None:
+    """Write a small file via temp file + rename."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    os.replace(tmp, path)

@@ -1,0 +1,48 @@
+"""Settings of the generative model and its sampler (each default defined here, once)."""
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+
+class StrictModel(BaseModel):
+    """Base for all settings: unknown keys are errors, values are validated on assignment."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class UNetConfig(StrictModel):
+    """A class-conditional diffusers `UNet2DModel` (epsilon prediction)."""
+
+    sample_size: int = Field(8, ge=4)
+    channels: int = Field(1, ge=1)
+    block_out_channels: tuple[int, ...] = (32, 64)
+    layers_per_block: int = Field(1, ge=1)
+    attention: bool = False
+    norm_num_groups: int = Field(8, ge=1)
+    num_classes: int = Field(10, ge=1)
+
+    @field_validator("block_out_channels")
+    @classmethod
+    def _divisible(cls, v: tuple[int, ...]) -> tuple[int, ...]:
+        if not v or any(c <= 0 for c in v):
+            raise ValueError("block_out_channels must be positive")
+        return v
+
+
+class SchedulerConfig(StrictModel):
+    """The DDPM/DDIM noise schedule (diffusers `DDIMScheduler`)."""
+
+    num_train_timesteps: int = Field(1000, ge=10)
+    beta_schedule: Literal["linear", "scaled_linear", "squaredcos_cap_v2"] = "squaredcos_cap_v2"
+
+
+class SamplerConfig(StrictModel):
+    """DDIM sampling with eta > 0 so that every step but the last is a Gaussian policy."""
+
+    num_steps: int = Field(10, ge=2, le=1000)
+    eta: float = Field(1.0, gt=0.0, le=1.0)
+    logp_reduce: Literal["mean", "sum"] = "mean"
+    samples_per_class: int = Field(16, ge=2, description="group size: samples per prompt (class)")
+    min_std: float = Field(1e-3, gt=0.0, description="steps with a smaller std are deterministic, untrained")

@@ -1,0 +1,50 @@
+"""Building the policy network and its noise schedule."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from diffusers import DDIMScheduler, UNet2DModel
+from safetensors.torch import load_file, save_file
+
+from rollout.config import SchedulerConfig, UNetConfig
+
+
+def build_unet(cfg: UNetConfig) -> UNet2DModel:
+    """A class-conditional UNet2DModel predicting epsilon; random initialisation."""
+    n = len(cfg.block_out_channels)
+    down = ["DownBlock2D"] * n
+    up = ["UpBlock2D"] * n
+    if cfg.attention:
+        down[-1], up[0] = "AttnDownBlock2D", "AttnUpBlock2D"
+    return UNet2DModel(
+        sample_size=cfg.sample_size,
+        in_channels=cfg.channels,
+        out_channels=cfg.channels,
+        block_out_channels=tuple(cfg.block_out_channels),
+        layers_per_block=cfg.layers_per_block,
+        down_block_types=tuple(down),
+        up_block_types=tuple(up),
+        norm_num_groups=cfg.norm_num_groups,
+        num_class_embeds=cfg.num_classes,
+    )
+
+
+def build_scheduler(cfg: SchedulerConfig) -> DDIMScheduler:
+    """DDIM schedule with clipping off (the log-prob recompute must match sampling exactly)."""
+    return DDIMScheduler(
+        num_train_timesteps=cfg.num_train_timesteps,
+        beta_schedule=cfg.beta_schedule,
+        clip_sample=False,
+        set_alpha_to_one=True,
+        prediction_type="epsilon",
+    )
+
+
+def save_weights(model: torch.nn.Module, path: Path) -> None:
+    save_file({k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}, str(path))
+
+
+def load_weights(model: torch.nn.Module, path: Path) -> torch.nn.Module:
+    model.load_state_dict(load_file(str(path)))
+    return model

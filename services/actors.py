@@ -1,0 +1,138 @@
+"""Ray actors: rollout workers (sampling + reward scoring via Serve) and the DeepSpeed learner."""
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import ray
+import torch
+from ray import serve
+
+from reward.diversity import mean_pairwise_distance, nearest_neighbour_distance
+from rollout.batch import RolloutBatch
+from rollout.ddim import DDIMLogProbSampler
+from rollout.digits import IMAGE_SHAPE, NUM_CLASSES
+from rollout.models import build_scheduler
+from services.config import TrainConfig
+from services.reward_app import APP_NAME
+from services.runtime import redirect_output
+from trainer.pretrain import load_pretrained_unet
+
+
+def _setup_process(cfg: TrainConfig, log_file: Path) -> None:
+    redirect_output(log_file)
+    torch.set_num_threads(cfg.ray.torch_threads or os.cpu_count() or 1)
+
+
+def step_seed(seed: int, step: int, worker: int) -> int:
+    """Per-step, per-worker sampling seed: resuming at step k replays exactly the same noise."""
+    return (seed * 1_000_003 + step * 1009 + worker) % (2**63 - 1)
+
+
+@ray.remote
+class RolloutWorker:
+    """Holds a policy copy; samples groups per class and scores them through the Serve ensemble."""
+
+    def __init__(self, cfg: dict[str, Any], base_model: str, classes: list[int], index: int, run_dir: str):
+        self.cfg = TrainConfig.model_validate(cfg)
+        _setup_process(self.cfg, Path(run_dir) / "logs" / f"rollout_{index}.log")
+        self.index = index
+        self.classes = torch.tensor(classes, dtype=torch.long)
+        self.policy = load_pretrained_unet(self.cfg.model, Path(base_model))
+        self.sampler = DDIMLogProbSampler(self.cfg.sampler, build_scheduler(self.cfg.scheduler))
+        self.reward = serve.get_app_handle(APP_NAME)
+
+    def _score(self, batch: RolloutBatch) -> tuple[RolloutBatch, Any]:
+        scores = self.reward.score_tensors.remote(batch.samples, batch.cond, batch.group).result()
+        rewards = torch.cat([scores.scores, scores.mean[:, None]], dim=1)
+        batch = batch.replace(
+            rewards=rewards, reward_names=scores.names + ["mean"], reward_key=scores.train_on,
+            uncertainty=scores.uncertainty, features=scores.features,
+        )
+        return batch, scores
+
+    @ray.method(num_returns=2)
+    def generate(self, step: int) -> tuple[RolloutBatch, dict[str, float]]:
+        """(batch for the learner, small summary for the driver)."""
+        gen = torch.Generator().manual_seed(step_seed(self.cfg.run.seed, step, self.index))
+        t0 = time.perf_counter()
+        batch = self.sampler.sample(self.policy, self.classes, self.cfg.sampler.samples_per_class, gen,
+                                    sample_shape=IMAGE_SHAPE)
+        t1 = time.perf_counter()
+        batch, scores = self._score(batch)
+        t2 = time.perf_counter()
+        gold = self.cfg.reward.gold.name
+        summary = {
+            "reward/train_mean": float(scores.reward.mean()),
+            "reward/ensemble_mean": float(scores.mean.mean()),
+            "reward/ensemble_std": float(scores.std.mean()),
+            "reward/uncertainty_mean": float(scores.uncertainty.mean()),
+            "reward/gold_mean": float(scores.monitors[gold].mean()),
+            "reward/gold_accuracy": float(scores.monitors[f"{gold}_correct"].mean()),
+            "diversity/nn_distance": float(nearest_neighbour_distance(scores.features, batch.group).mean()),
+            "timing_s/rollout": t1 - t0,
+            "timing_s/reward": t2 - t1,
+            "n": float(len(batch)),
+        }
+        for name, col in zip(scores.names, scores.scores.T):
+            summary[f"reward/{name}"] = float(col.mean())
+        return batch, summary
+
+    def set_weights(self, weights: dict[str, torch.Tensor]) -> None:
+        self.policy.load_state_dict(weights)
+
+    def evaluate(self, n_per_class: int, seed: int, grid_per_class: int = 8) -> dict[str, Any]:
+        """Gold accuracy per class, proxy reward and diversity on seeded samples; a small sample grid."""
+        gen = torch.Generator().manual_seed(seed)
+        classes = torch.arange(NUM_CLASSES)
+        batch = self.sampler.sample(self.policy, classes, n_per_class, gen, sample_shape=IMAGE_SHAPE)
+        batch, scores = self._score(batch)
+        gold = self.cfg.reward.gold.name
+        correct = scores.monitors[f"{gold}_correct"]
+        per_class = [float(correct[batch.cond == c].mean()) for c in classes]
+        grid = batch.samples.view(NUM_CLASSES, n_per_class, *IMAGE_SHAPE)[:, :grid_per_class].clone()
+        return {
+            "gold_accuracy": float(correct.mean()),
+            "gold_accuracy_per_class": per_class,
+            "proxy_mean": float(scores.reward.mean()),
+            "ensemble_mean": float(scores.mean.mean()),
+            "diversity_pairwise": mean_pairwise_distance(scores.features, batch.group),
+            "diversity_nn": float(nearest_neighbour_distance(scores.features, batch.group).mean()),
+            "n_samples": len(batch),
+            "grid": grid,
+        }
+
+
+@ray.remote
+class LearnerActor:
+    """Hosts the DeepSpeed engine (rank 0 of a world of 1 for now; an actor group later)."""
+
+    def __init__(self, cfg: dict[str, Any], base_model: str, run_dir: str, master_port: int,
+                 rank: int = 0, world_size: int = 1):
+        self.cfg = TrainConfig.model_validate(cfg)
+        _setup_process(self.cfg, Path(run_dir) / "logs" / f"learner_{rank}.log")
+        os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
+                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(master_port))
+        from trainer.learner import DeepSpeedLearner
+
+        torch.manual_seed(self.cfg.run.seed)
+        policy = load_pretrained_unet(self.cfg.model, Path(base_model))
+        sampler = DDIMLogProbSampler(self.cfg.sampler, build_scheduler(self.cfg.scheduler))
+        self.learner = DeepSpeedLearner(policy, sampler, self.cfg.objective, self.cfg.learner, seed=self.cfg.run.seed)
+
+    def update(self, *batches: RolloutBatch) -> dict[str, float]:
+        t0 = time.perf_counter()
+        metrics = self.learner.update(RolloutBatch.concat(batches))
+        metrics["timing_s/update"] = time.perf_counter() - t0
+        return metrics
+
+    def weights(self) -> dict[str, torch.Tensor]:
+        return self.learner.weights()
+
+    def save(self, directory: str) -> None:
+        self.learner.save(Path(directory))
+
+    def load(self, directory: str) -> None:
+        self.learner.load(Path(directory))

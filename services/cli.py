@@ -1,0 +1,141 @@
+"""The `steadyrl` command line: train, pretrain, serve-reward, eval."""
+from __future__ import annotations
+
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from services.config import ConfigError, load_config
+
+for _k, _v in {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}.items():
+    os.environ.setdefault(_k, _v)
+
+app = typer.Typer(add_completion=False, no_args_is_help=True,
+                  help="steadyrl: stable RL fine-tuning of diffusion models on Ray.")
+console = Console()
+
+
+def _split_args(args: list[str]) -> tuple[Optional[str], list[str]]:
+    """First argument is a config file unless it looks like key=value."""
+    if args and "=" not in args[0]:
+        return args[0], args[1:]
+    return None, args
+
+
+def _load(args: list[str]):
+    config, overrides = _split_args(args)
+    try:
+        return config, overrides, load_config(config, overrides)
+    except ConfigError as err:
+        console.print(f"[red]error:[/red] {err}")
+        raise typer.Exit(2) from None
+
+
+@app.command(context_settings={"allow_extra_args": False})
+def train(
+    args: list[str] = typer.Argument(None, help="[CONFIG] key.sub=value ... (default configs/digits-grpo.yaml)"),
+    resume: Optional[Path] = typer.Option(None, help="continue the run in this folder from its latest checkpoint"),
+) -> None:
+    """Pretrain if needed, then RL through local Ray (rollout actor -> Serve rewards -> DeepSpeed learner)."""
+    from services.controller import train as run_train
+
+    args = args or []
+    if resume is not None:
+        if args and "=" not in args[0]:
+            console.print("[red]error:[/red] with --resume the config comes from the run folder; pass only overrides")
+            raise typer.Exit(2)
+        if not (resume / "config.yaml").exists():
+            console.print(f"[red]error:[/red] --resume {resume}: no config.yaml there")
+            raise typer.Exit(2)
+        try:
+            result = run_train(overrides=args, resume_dir=resume, console=console)
+        except (ConfigError, FileNotFoundError) as err:
+            console.print(f"[red]error:[/red] {err}")
+            raise typer.Exit(2) from None
+    else:
+        config, overrides, _ = _load(args)
+        result = run_train(config, overrides, console=console)
+    raise typer.Exit(130 if result.interrupted else 0)
+
+
+@app.command()
+def pretrain(args: list[str] = typer.Argument(None, help="[CONFIG] key.sub=value ...")) -> None:
+    """Build (or find cached) the testbed diffusion model and the reward/gold classifiers."""
+    from reward.config import build_reward_models, print_accuracies
+    from trainer.pretrain import ensure_pretrained_unet
+
+    _, _, cfg = _load(args or [])
+    path = ensure_pretrained_unet(cfg.model, cfg.scheduler, cfg.pretrain)
+    console.print(f"diffusion model: {path}")
+    members, monitors, _ = build_reward_models(cfg.reward)
+    print_accuracies(members + monitors, console)
+
+
+@app.command("serve-reward")
+def serve_reward(
+    args: list[str] = typer.Argument(None, help="[CONFIG] key.sub=value ..."),
+    host: str = typer.Option("127.0.0.1", help="address the HTTP proxy binds"),
+    port: int = typer.Option(8000, help="HTTP port (0 picks a free one)"),
+) -> None:
+    """Start the reward-ensemble Serve application alone and serve it until Ctrl-C."""
+    from ray import serve
+
+    from reward.config import build_reward_models
+    from services.reward_app import APP_NAME, ROUTE_PREFIX, build_reward_app
+    from services.runtime import init_ray, start_serve
+
+    _, _, cfg = _load((args or []) + [f"serve.host={host}", f"serve.port={port}"])
+    build_reward_models(cfg.reward)
+    init_ray(cfg.ray.address, cfg.ray.num_cpus)
+    _, bound = start_serve(cfg.serve)
+    serve.run(build_reward_app(cfg.reward, cfg.serve.replica_cpus, cfg.serve.max_batch_size,
+                               cfg.serve.batch_wait_timeout_s), name=APP_NAME, route_prefix=ROUTE_PREFIX)
+    base = f"http://{cfg.serve.host}:{bound}{ROUTE_PREFIX}"
+    console.print(f"reward ensemble ready: POST {base}/score   GET {base}/healthz   docs {base}/docs")
+    sys.stdout.flush()
+    try:
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        console.print("shutting down")
+    finally:
+        serve.shutdown()
+
+
+@app.command("eval")
+def eval_cmd(
+    run_dir: Path = typer.Argument(..., help="a run folder written by `steadyrl train`"),
+    step: Optional[int] = typer.Option(None, help="checkpoint step (default: latest)"),
+    samples_per_class: Optional[int] = typer.Option(None, help="default: the run's eval_samples_per_class"),
+    seed: Optional[int] = typer.Option(None, help="default: the run's eval_seed"),
+) -> None:
+    """Score a checkpoint: gold accuracy per class, proxy reward, diversity, sample grid."""
+    from services.evaluate import evaluate_checkpoint
+
+    if not (run_dir / "config.yaml").exists():
+        console.print(f"[red]error:[/red] {run_dir} is not a run folder (no config.yaml)")
+        raise typer.Exit(2)
+    try:
+        res = evaluate_checkpoint(run_dir, step, samples_per_class, seed)
+    except FileNotFoundError as err:
+        console.print(f"[red]error:[/red] {err}")
+        raise typer.Exit(2) from None
+    table = Table(title=f"eval of {res['checkpoint']} ({res['n_samples']} samples)")
+    table.add_column("class")
+    table.add_column("gold accuracy", justify="right")
+    for c, a in enumerate(res["gold_accuracy_per_class"]):
+        table.add_row(str(c), f"{a:.0%}")
+    table.add_row("[bold]all", f"[bold]{res['gold_accuracy']:.1%}")
+    console.print(table)
+    console.print(f"proxy reward {res['proxy_mean']:.3f}   diversity (nn) {res['diversity_nn']:.2f}   "
+                  f"grid: {Path(res['checkpoint']).parents[1] / ('eval_' + Path(res['checkpoint']).name)}/samples.png")
+
+
+if __name__ == "__main__":
+    app()

@@ -1,0 +1,122 @@
+"""The whole run's config: YAML presets validated by pydantic, with `key.sub=value` overrides."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import Field, ValidationError
+
+from reward.config import RewardConfig
+from rollout.config import SamplerConfig, SchedulerConfig, StrictModel, UNetConfig
+from trainer.config import LearnerConfig, ObjectiveConfig
+from trainer.pretrain import PretrainConfig
+
+CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+DEFAULT_CONFIG = CONFIG_DIR / "digits-grpo.yaml"
+
+
+class ConfigError(ValueError):
+    """A bad config file, key or value; the message names the field."""
+
+
+class ServeConfig(StrictModel):
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=0, le=65535, description="0 picks a free port")
+    replica_cpus: float = Field(0.1, gt=0, le=0.25, description="CPUs per reward replica")
+    max_batch_size: int = Field(256, ge=1)
+    batch_wait_timeout_s: float = Field(0.005, ge=0)
+
+
+class RayConfig(StrictModel):
+    address: str | None = Field(None, description="None: $RAY_ADDRESS or a new local Ray")
+    num_cpus: int | None = Field(None, ge=1, description="for a new local Ray; None = all cores")
+    rollout_workers: int = Field(1, ge=1)
+    actor_cpus: float = Field(0.5, gt=0)
+    torch_threads: int | None = Field(None, ge=1, description="None = all cores (phases run one after another)")
+
+
+class RunConfig(StrictModel):
+    steps: int = Field(80, ge=1)
+    seed: int = 0
+    run_dir: str | None = Field(None, description="None: runs/<name>-<timestamp>")
+    name: str = "digits-grpo"
+    eval_every: int = Field(20, ge=1)
+    eval_samples_per_class: int = Field(50, ge=1)
+    eval_seed: int = 1234
+    checkpoint_every: int = Field(20, ge=1)
+    progress: bool = True
+
+
+class TrainConfig(StrictModel):
+    """Everything one training run needs; each default lives in the section's own model."""
+
+    run: RunConfig = Field(default_factory=RunConfig)
+    model: UNetConfig = Field(default_factory=UNetConfig)
+    scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)
+    pretrain: PretrainConfig = Field(default_factory=PretrainConfig)
+    sampler: SamplerConfig = Field(default_factory=SamplerConfig)
+    reward: RewardConfig = Field(default_factory=RewardConfig)
+    objective: ObjectiveConfig = Field(default_factory=ObjectiveConfig)
+    learner: LearnerConfig = Field(default_factory=LearnerConfig)
+    serve: ServeConfig = Field(default_factory=ServeConfig)
+    ray: RayConfig = Field(default_factory=RayConfig)
+
+
+def _set(tree: dict[str, Any], dotted: str, value: Any) -> None:
+    keys = dotted.split(".")
+    node = tree
+    for k in keys[:-1]:
+        nxt = node.setdefault(k, {})
+        if not isinstance(nxt, dict):
+            raise ConfigError(f"override {dotted!r}: {k!r} is not a section")
+        node = nxt
+    node[keys[-1]] = value
+
+
+def parse_override(text: str) -> tuple[str, Any]:
+    """`a.b=value` -> ('a.b', YAML-parsed value)."""
+    if "=" not in text:
+        raise ConfigError(f"override {text!r} is not of the form key.sub=value")
+    key, raw = text.split("=", 1)
+    key = key.strip()
+    if not key or any(not part for part in key.split(".")):
+        raise ConfigError(f"override {text!r} has an empty key")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError as err:
+        raise ConfigError(f"override {key}: value {raw!r} is not valid YAML ({err})") from err
+    return key, value
+
+
+def format_validation_error(err: ValidationError) -> str:
+    lines = []
+    for e in err.errors():
+        where = ".".join(str(p) for p in e["loc"]) or "(root)"
+        lines.append(f"  {where}: {e['msg']}" + (f" (got {e['input']!r})" if e["type"] != "extra_forbidden" and
+                                                  not isinstance(e.get("input"), dict) else ""))
+    return "invalid config:\n" + "\n".join(lines)
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> TrainConfig:
+    """Load a YAML preset (default: configs/digits-grpo.yaml), apply overrides, validate."""
+    path = Path(path) if path is not None else DEFAULT_CONFIG
+    if not path.exists():
+        raise ConfigError(f"config file {str(path)!r} does not exist")
+    try:
+        tree = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as err:
+        raise ConfigError(f"config file {str(path)!r} is not valid YAML: {err}") from err
+    if not isinstance(tree, dict):
+        raise ConfigError(f"config file {str(path)!r} must hold a mapping at top level")
+    for text in overrides:
+        key, value = parse_override(text)
+        _set(tree, key, value)
+    try:
+        return TrainConfig.model_validate(tree)
+    except ValidationError as err:
+        raise ConfigError(format_validation_error(err)) from None
+
+
+def dump_config(cfg: TrainConfig) -> str:
+    return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)

@@ -1,0 +1,268 @@
+"""The controller (driver): sample -> score -> update -> sync -> log/checkpoint, over actor handles.
+
+Training batches move as ObjectRefs from rollout workers to the learner and weights from the
+learner to the workers; the driver only ever fetches small summaries and evaluation grids.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import ray
+from ray import serve
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.table import Table
+
+from reward.config import build_reward_models, print_accuracies
+from rollout.cache import write_text_atomically
+from services.actors import LearnerActor, RolloutWorker
+from services.config import TrainConfig, dump_config, load_config
+from services.report import MetricsWriter, save_curves, save_sample_grid
+from services.reward_app import APP_NAME, ROUTE_PREFIX, build_reward_app
+from services.runtime import free_port, init_ray, start_serve
+from trainer.pretrain import ensure_pretrained_unet
+
+CHECKPOINTS = "checkpoints"
+
+
+@dataclass
+class RunResult:
+    run_dir: Path
+    steps_done: int
+    base_eval: dict[str, Any] | None
+    final_eval: dict[str, Any] | None
+    interrupted: bool = False
+    timing: dict[str, float] = field(default_factory=dict)
+
+
+def new_run_dir(cfg: TrainConfig) -> Path:
+    if cfg.run.run_dir:
+        return Path(cfg.run.run_dir)
+    stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
+    return Path("runs") / f"{cfg.run.name}-{stamp}"
+
+
+def latest_checkpoint(run_dir: Path) -> Path | None:
+    pointer = Path(run_dir) / CHECKPOINTS / "latest"
+    if not pointer.exists():
+        return None
+    path = Path(run_dir) / CHECKPOINTS / pointer.read_text().strip()
+    return path if path.exists() else None
+
+
+class Controller:
+    def __init__(self, cfg: TrainConfig, run_dir: Path, console: Console | None = None, resume: bool = False):
+        self.cfg = cfg
+        self.run_dir = Path(run_dir)
+        self.console = console or Console()
+        self.resume = resume
+        self.evals: list[dict[str, Any]] = []
+        self._started_ray = self._started_serve = False
+
+    # ---------------------------------------------------------------- set-up / tear-down
+    def setup(self) -> None:
+        cfg = self.cfg
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        if not self.resume:
+            write_text_atomically(self.run_dir / "config.yaml", dump_config(cfg))
+        self.base_model = ensure_pretrained_unet(cfg.model, cfg.scheduler, cfg.pretrain, progress=cfg.run.progress)
+        members, monitors, _ = build_reward_models(cfg.reward)
+        if cfg.run.progress:
+            print_accuracies(members + monitors, self.console)
+        with self.console.status("starting Ray, the Serve reward ensemble and the DeepSpeed learner"):
+            self._started_ray = init_ray(cfg.ray.address, cfg.ray.num_cpus)
+            self._started_serve, self.port = start_serve(cfg.serve, self.run_dir / "logs" / "serve")
+            serve.run(build_reward_app(cfg.reward, cfg.serve.replica_cpus, cfg.serve.max_batch_size,
+                                       cfg.serve.batch_wait_timeout_s), name=APP_NAME, route_prefix=ROUTE_PREFIX)
+            cfg_dict = cfg.model_dump(mode="json")
+            self.learner = LearnerActor.options(num_cpus=cfg.ray.actor_cpus).remote(
+                cfg_dict, str(self.base_model), str(self.run_dir), free_port())
+            splits = np.array_split(np.arange(10), cfg.ray.rollout_workers)
+            self.workers = [
+                RolloutWorker.options(num_cpus=cfg.ray.actor_cpus).remote(
+                    cfg_dict, str(self.base_model), s.tolist(), i, str(self.run_dir))
+                for i, s in enumerate(splits)
+            ]
+            ray.get(self.learner.weights.remote())  # wait until the engine is up (surfaces init errors)
+        if cfg.run.progress:
+            self.console.print(f"reward ensemble: http://{cfg.serve.host}:{self.port}{ROUTE_PREFIX}/docs   "
+                               f"run folder: {self.run_dir}   logs: {self.run_dir / 'logs'}")
+
+    def shutdown(self) -> None:
+        if self._started_serve:
+            serve.shutdown()
+        elif ray.is_initialized():
+            try:
+                serve.delete(APP_NAME)
+            except Exception:
+                pass
+        for actor in getattr(self, "workers", []) + ([self.learner] if hasattr(self, "learner") else []):
+            ray.kill(actor)
+        if self._started_ray:
+            ray.shutdown()
+
+    # ---------------------------------------------------------------- pieces of a step
+    def sync_weights(self) -> float:
+        t0 = time.perf_counter()
+        weights = self.learner.weights.remote()  # an ObjectRef: the driver never fetches the tensors
+        ray.get([w.set_weights.remote(weights) for w in self.workers])
+        return time.perf_counter() - t0
+
+    def evaluate(self, step: int) -> dict[str, Any]:
+        cfg = self.cfg.run
+        result = ray.get(self.workers[0].evaluate.remote(cfg.eval_samples_per_class, cfg.eval_seed))
+        grid = result.pop("grid")
+        result["step"] = step
+        save_sample_grid(grid, self.run_dir / f"samples_step_{step:04d}.png",
+                         f"step {step}: gold accuracy {result['gold_accuracy']:.1%}", result["gold_accuracy_per_class"])
+        self.evals.append(result)
+        write_text_atomically(self.run_dir / "evals.json", json.dumps(self.evals, indent=1))
+        return result
+
+    def checkpoint(self, step: int) -> Path:
+        """Write checkpoints/step_N atomically (temp dir + rename), then move the `latest` pointer."""
+        root = self.run_dir / CHECKPOINTS
+        final = root / f"step_{step}"
+        tmp = root / f".step_{step}.tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        ray.get(self.learner.save.remote(str(tmp)))
+        (tmp / "controller.json").write_text(json.dumps({"step": step, "evals": len(self.evals)}))
+        shutil.rmtree(final, ignore_errors=True)
+        os.rename(tmp, final)
+        write_text_atomically(root / "latest", final.name)
+        return final
+
+    def restore(self) -> int:
+        ckpt = latest_checkpoint(self.run_dir)
+        if ckpt is None:
+            raise FileNotFoundError(f"no checkpoint to resume from in {self.run_dir / CHECKPOINTS}")
+        ray.get(self.learner.load.remote(str(ckpt)))
+        state = json.loads((ckpt / "controller.json").read_text())
+        evals_path = self.run_dir / "evals.json"
+        self.evals = json.loads(evals_path.read_text())[: state["evals"]] if evals_path.exists() else []
+        self.sync_weights()
+        # metrics.jsonl may hold steps past the checkpoint: drop them so the log matches the state
+        path = self.run_dir / "metrics.jsonl"
+        if path.exists():
+            rows = [r for r in path.read_text().splitlines() if r and json.loads(r)["step"] <= state["step"]]
+            write_text_atomically(path, "".join(r + "\n" for r in rows))
+        return int(state["step"])
+
+    # ---------------------------------------------------------------- the loop
+    def run(self) -> RunResult:
+        cfg = self.cfg
+        interrupted = False
+        start = steps_done = 0
+        writer: MetricsWriter | None = None
+        timing_sums: dict[str, float] = {}
+        try:
+            self.setup()
+            writer = MetricsWriter(self.run_dir)
+            start = self.restore() if self.resume else 0
+            if not self.resume:
+                self.evaluate(0)
+            steps_done = start
+            progress = Progress(
+                TextColumn("[bold]RL"), BarColumn(), MofNCompleteColumn(),
+                TextColumn("proxy {task.fields[proxy]:.3f}  gold {task.fields[gold]:.1%}  "
+                           "KL {task.fields[kl]:.1e}  {task.fields[dt]:.2f}s/step"),
+                TimeElapsedColumn(), TimeRemainingColumn(), console=self.console, disable=not cfg.run.progress,
+            )
+            with progress:
+                task = progress.add_task("rl", total=cfg.run.steps, completed=start, proxy=0.0, gold=0.0, kl=0.0,
+                                         dt=0.0)
+                for step in range(start, cfg.run.steps):
+                    t0 = time.perf_counter()
+                    outs = [w.generate.remote(step) for w in self.workers]
+                    batch_refs = [o[0] for o in outs]
+                    metrics_ref = self.learner.update.remote(*batch_refs)
+                    summaries = ray.get([o[1] for o in outs])
+                    metrics = ray.get(metrics_ref)
+                    metrics["timing_s/sync"] = self.sync_weights()
+                    metrics.update(merge_summaries(summaries))
+                    metrics["timing_s/step"] = time.perf_counter() - t0
+                    metrics["perf/samples_per_s"] = metrics.pop("n") / metrics["timing_s/step"]
+                    steps_done = step + 1
+                    writer.write(steps_done, metrics)
+                    for k, v in metrics.items():
+                        if k.startswith("timing_s/"):
+                            timing_sums[k] = timing_sums.get(k, 0.0) + v
+                    progress.update(task, completed=steps_done, proxy=metrics["reward/train_mean"],
+                                    gold=metrics["reward/gold_accuracy"], kl=metrics["policy/kl_ref_monitor"],
+                                    dt=metrics["timing_s/step"])
+                    last = steps_done == cfg.run.steps
+                    if steps_done % cfg.run.eval_every == 0 or last:
+                        self.evaluate(steps_done)
+                    if steps_done % cfg.run.checkpoint_every == 0 or last:
+                        self.checkpoint(steps_done)
+        except KeyboardInterrupt:
+            interrupted = True
+            ckpt = latest_checkpoint(self.run_dir)
+            self.console.print(f"[yellow]interrupted after step {steps_done}; last checkpoint: "
+                               f"{ckpt if ckpt else 'none'} (resume with `steadyrl train --resume {self.run_dir}`)")
+        finally:
+            if writer is not None:
+                writer.close()
+            self.shutdown()
+        from services.report import read_metrics
+
+        save_curves(read_metrics(self.run_dir), self.evals, self.run_dir / "curves.png")
+        n = max(1, steps_done - start)
+        timing = {k: v / n for k, v in timing_sums.items()}
+        result = RunResult(self.run_dir, steps_done, self.evals[0] if self.evals and self.evals[0]["step"] == 0 else None,
+                           self.evals[-1] if self.evals else None, interrupted, timing)
+        if cfg.run.progress:
+            self.console.print(summary_table(result))
+        return result
+
+
+def merge_summaries(summaries: list[dict[str, float]]) -> dict[str, float]:
+    """Sample-weighted mean of the workers' summaries (timings: the slowest worker)."""
+    total = sum(s["n"] for s in summaries)
+    out: dict[str, float] = {"n": total}
+    for k in summaries[0]:
+        if k == "n":
+            continue
+        if k.startswith("timing_s/"):
+            out[k] = max(s[k] for s in summaries)
+        else:
+            out[k] = sum(s[k] * s["n"] for s in summaries) / total
+    return out
+
+
+def summary_table(result: RunResult) -> Table:
+    table = Table(title=f"steadyrl run summary  ({result.run_dir})")
+    table.add_column("class")
+    table.add_column("gold acc. base", justify="right")
+    table.add_column("gold acc. final", justify="right")
+    base, final = result.base_eval, result.final_eval
+    if base and final:
+        for c, (b, f) in enumerate(zip(base["gold_accuracy_per_class"], final["gold_accuracy_per_class"])):
+            table.add_row(str(c), f"{b:.0%}", f"{f:.0%}")
+        table.add_row("[bold]all", f"[bold]{base['gold_accuracy']:.1%}", f"[bold]{final['gold_accuracy']:.1%}")
+        table.add_row("proxy reward", f"{base['proxy_mean']:.3f}", f"{final['proxy_mean']:.3f}")
+        table.add_row("diversity (nn)", f"{base['diversity_nn']:.2f}", f"{final['diversity_nn']:.2f}")
+    if result.timing:
+        split = "  ".join(f"{k.split('/')[1]} {v:.2f}s" for k, v in sorted(result.timing.items()))
+        table.caption = f"steps {result.steps_done}; mean per step: {split}"
+    return table
+
+
+def train(config: str | Path | None = None, overrides: list[str] | tuple[str, ...] = (),
+          resume_dir: str | Path | None = None, console: Console | None = None) -> RunResult:
+    """Entry point shared by the CLI and `python -m services.job`."""
+    if resume_dir is not None:
+        run_dir = Path(resume_dir)
+        cfg = load_config(run_dir / "config.yaml", overrides)
+        return Controller(cfg, run_dir, console, resume=True).run()
+    cfg = load_config(config, overrides)
+    return Controller(cfg, new_run_dir(cfg), console).run()

@@ -1,0 +1,91 @@
+"""Run-folder outputs: metrics.jsonl, TensorBoard events, sample grids and curves (PNG)."""
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import torch  # noqa: E402
+from torch.utils.tensorboard import SummaryWriter  # noqa: E402
+
+from rollout.digits import to_unit_range  # noqa: E402
+
+
+class MetricsWriter:
+    """Appends one JSON line per step and mirrors scalars to TensorBoard."""
+
+    def __init__(self, run_dir: Path):
+        self.path = run_dir / "metrics.jsonl"
+        self.tb = SummaryWriter(log_dir=str(run_dir / "tensorboard"))
+
+    def write(self, step: int, metrics: dict[str, float]) -> None:
+        row = {"step": step, **{k: float(v) for k, v in metrics.items()}}
+        with self.path.open("a") as f:
+            f.write(json.dumps(row) + "\n")
+        for k, v in metrics.items():
+            if isinstance(v, (int, float)) and math.isfinite(float(v)):
+                self.tb.add_scalar(k, float(v), step)
+        self.tb.flush()
+
+    def close(self) -> None:
+        self.tb.close()
+
+
+def read_metrics(run_dir: Path) -> list[dict[str, float]]:
+    path = Path(run_dir) / "metrics.jsonl"
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def save_sample_grid(grid: torch.Tensor, path: Path, title: str, per_class_acc: list[float] | None = None) -> None:
+    """grid [classes, n, 1, H, W] -> one row per class, labelled with the gold accuracy."""
+    classes, n = grid.shape[:2]
+    imgs = to_unit_range(grid)
+    fig, axes = plt.subplots(classes, n, figsize=(n * 0.6 + 1.2, classes * 0.6 + 0.6), squeeze=False)
+    for c in range(classes):
+        for j in range(n):
+            ax = axes[c][j]
+            ax.imshow(imgs[c, j, 0].numpy(), cmap="gray_r", vmin=0, vmax=1, interpolation="nearest")
+            ax.set_xticks([])
+            ax.set_yticks([])
+        label = f"{c}" if per_class_acc is None else f"{c}: {per_class_acc[c]:.0%}"
+        axes[c][0].set_ylabel(label, rotation=0, labelpad=18, fontsize=8, va="center")
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+
+
+def save_curves(rows: list[dict[str, float]], evals: list[dict[str, Any]], path: Path) -> None:
+    """Proxy reward, gold accuracy (per step and at evals) and diversity over steps."""
+    fig, axes = plt.subplots(1, 3, figsize=(13, 3.6))
+    steps = [r["step"] for r in rows]
+
+    def line(ax, key: str, label: str) -> None:
+        if rows and key in rows[0]:
+            ax.plot(steps, [r.get(key, math.nan) for r in rows], label=label, alpha=0.8)
+
+    line(axes[0], "reward/train_mean", "proxy reward (train batch)")
+    line(axes[0], "reward/ensemble_mean", "ensemble mean")
+    axes[0].set_title("reward")
+    line(axes[1], "reward/gold_accuracy", "gold acc. (train batch)")
+    if evals:
+        axes[1].plot([e["step"] for e in evals], [e["gold_accuracy"] for e in evals], "o-", label="gold acc. (eval)")
+    axes[1].set_title("gold accuracy (reward hacking check)")
+    line(axes[2], "diversity/nn_distance", "nearest-neighbour feature distance")
+    if evals:
+        axes[2].plot([e["step"] for e in evals], [e["diversity_nn"] for e in evals], "o-", label="eval")
+    axes[2].set_title("diversity")
+    for ax in axes:
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)

@@ -1,0 +1,94 @@
+"""Starting (or joining) Ray and Serve, and keeping actor logs in the run folder."""
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import sys
+from pathlib import Path
+
+import ray
+from ray import serve
+
+from rollout.cache import cache_root, torch_extensions_dir
+from services.config import ServeConfig
+
+OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def worker_env() -> dict[str, str]:
+    """Environment every actor gets: offline hub, the shared cache and compiled-op dirs."""
+    env = dict(OFFLINE_ENV)
+    env["STEADYRL_CACHE"] = str(cache_root())
+    env["TORCH_EXTENSIONS_DIR"] = str(torch_extensions_dir())
+    env["DS_ACCELERATOR"] = os.environ.get("DS_ACCELERATOR", "cpu")
+    env["PYTHONPATH"] = os.pathsep.join(p for p in [str(Path(__file__).resolve().parents[1]),
+                                                    os.environ.get("PYTHONPATH", "")] if p)
+    return env
+
+
+def init_ray(address: str | None = None, num_cpus: int | None = None) -> bool:
+    """Join a running Ray (address / $RAY_ADDRESS) or start a local one. Returns True if we started it."""
+    for k, v in OFFLINE_ENV.items():
+        os.environ.setdefault(k, v)
+    if ray.is_initialized():
+        return False
+    logging.getLogger("ray").setLevel(logging.WARNING)
+    ray.init(
+        address=address,
+        num_cpus=num_cpus if not (address or os.environ.get("RAY_ADDRESS")) else None,
+        include_dashboard=False,
+        log_to_driver=False,
+        logging_level=logging.WARNING,
+        runtime_env={"env_vars": worker_env()},
+        configure_logging=True,
+    )
+    return True
+
+
+def start_serve(cfg: ServeConfig, logs_dir: Path | None = None) -> tuple[bool, int]:
+    """Start Serve's HTTP proxy on cfg.host:cfg.port (0 = a free port) unless it already runs.
+
+    Returns (started_here, port).
+    """
+    for name in ("ray.serve", "ray"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+    try:
+        status = serve.status()
+        running = status.proxies is not None and len(status.proxies) > 0
+    except Exception:
+        running = False
+    if running:
+        return False, current_serve_port()
+    port = cfg.port or free_port()
+    logging_config = {"log_level": "WARNING"}
+    if logs_dir is not None:
+        logs_dir.mkdir(parents=True, exist_ok=True)
+        logging_config["logs_dir"] = str(logs_dir)
+    serve.start(http_options={"host": cfg.host, "port": port}, logging_config=logging_config)
+    return True, port
+
+
+def current_serve_port() -> int:
+    from ray.serve.context import _get_global_client
+
+    return int(_get_global_client().http_config.port)
+
+
+def redirect_output(log_file: Path) -> None:
+    """Send this process's stdout/stderr (and Python logging) to `log_file`."""
+    log_file.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(log_file, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    logging.basicConfig(level=logging.INFO, force=True, stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")

@@ -1,0 +1,1 @@
+"""Objectives (GRPO and the stabilising family) and the DeepSpeed learner (no Ray here)."""
