@@ -39,7 +39,7 @@ class RolloutWorker:
         self.cfg = TrainConfig.model_validate(cfg)
         _setup_process(self.cfg, Path(run_dir) / "logs" / f"rollout_{index}.log")
         self.index = index
-        self.classes = torch.tensor(classes, dtype=torch.long)
+        self.class_ids = torch.tensor(classes, dtype=torch.long)
         self.policy = load_pretrained_unet(self.cfg.model, Path(base_model))
         self.sampler = DDIMLogProbSampler(self.cfg.sampler, build_scheduler(self.cfg.scheduler))
         self.reward = serve.get_app_handle(APP_NAME)
@@ -58,7 +58,7 @@ class RolloutWorker:
         """(batch for the learner, small summary for the driver)."""
         gen = torch.Generator().manual_seed(step_seed(self.cfg.run.seed, step, self.index))
         t0 = time.perf_counter()
-        batch = self.sampler.sample(self.policy, self.classes, self.cfg.sampler.samples_per_class, gen,
+        batch = self.sampler.sample(self.policy, self.class_ids, self.cfg.sampler.samples_per_class, gen,
                                     sample_shape=IMAGE_SHAPE)
         t1 = time.perf_counter()
         batch, scores = self._score(batch)

@@ -21,6 +21,12 @@ app = typer.Typer(add_completion=False, no_args_is_help=True,
 console = Console()
 
 
+def _fail(message: str) -> None:
+    """Print an error (unwrapped, so paths and field names stay whole) and exit with status 2."""
+    console.print(f"[red]error:[/red] {message}", soft_wrap=True)
+    raise typer.Exit(2)
+
+
 def _split_args(args: list[str]) -> tuple[Optional[str], list[str]]:
     """First argument is a config file unless it looks like key=value."""
     if args and "=" not in args[0]:
@@ -33,8 +39,7 @@ def _load(args: list[str]):
     try:
         return config, overrides, load_config(config, overrides)
     except ConfigError as err:
-        console.print(f"[red]error:[/red] {err}")
-        raise typer.Exit(2) from None
+        _fail(str(err))
 
 
 @app.command(context_settings={"allow_extra_args": False})
@@ -48,16 +53,13 @@ def train(
     args = args or []
     if resume is not None:
         if args and "=" not in args[0]:
-            console.print("[red]error:[/red] with --resume the config comes from the run folder; pass only overrides")
-            raise typer.Exit(2)
+            _fail("with --resume the config comes from the run folder; pass only overrides")
         if not (resume / "config.yaml").exists():
-            console.print(f"[red]error:[/red] --resume {resume}: no config.yaml there")
-            raise typer.Exit(2)
+            _fail(f"--resume {resume}: no config.yaml there")
         try:
             result = run_train(overrides=args, resume_dir=resume, console=console)
         except (ConfigError, FileNotFoundError) as err:
-            console.print(f"[red]error:[/red] {err}")
-            raise typer.Exit(2) from None
+            _fail(str(err))
     else:
         config, overrides, _ = _load(args)
         result = run_train(config, overrides, console=console)
@@ -119,13 +121,11 @@ def eval_cmd(
     from services.evaluate import evaluate_checkpoint
 
     if not (run_dir / "config.yaml").exists():
-        console.print(f"[red]error:[/red] {run_dir} is not a run folder (no config.yaml)")
-        raise typer.Exit(2)
+        _fail(f"{run_dir} is not a run folder (no config.yaml)")
     try:
         res = evaluate_checkpoint(run_dir, step, samples_per_class, seed)
     except FileNotFoundError as err:
-        console.print(f"[red]error:[/red] {err}")
-        raise typer.Exit(2) from None
+        _fail(str(err))
     table = Table(title=f"eval of {res['checkpoint']} ({res['n_samples']} samples)")
     table.add_column("class")
     table.add_column("gold accuracy", justify="right")

@@ -97,17 +97,21 @@ class Controller:
                                f"run folder: {self.run_dir}   logs: {self.run_dir / 'logs'}")
 
     def shutdown(self) -> None:
-        if self._started_serve:
-            serve.shutdown()
-        elif ray.is_initialized():
-            try:
-                serve.delete(APP_NAME)
-            except Exception:
-                pass
+        """Stop what this run started; a Ray or Serve that was already running is left up."""
+        if self._started_ray:
+            ray.shutdown()  # takes Serve and every actor with it
+            return
+        if not ray.is_initialized():
+            return
         for actor in getattr(self, "workers", []) + ([self.learner] if hasattr(self, "learner") else []):
             ray.kill(actor)
-        if self._started_ray:
-            ray.shutdown()
+        if self._started_serve:
+            serve.shutdown()
+        else:
+            try:
+                serve.delete(APP_NAME)
+            except Exception:  # the app may never have been deployed
+                pass
 
     # ---------------------------------------------------------------- pieces of a step
     def sync_weights(self) -> float:

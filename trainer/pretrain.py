@@ -22,7 +22,7 @@ class PretrainConfig(StrictModel):
 
     iterations: int = Field(80, ge=1)
     batch_size: int = Field(128, ge=1)
-    lr: float = Field(2e-3, gt=0)
+    lr: float = Field(5e-4, gt=0)
     seed: int = 0
 
 

@@ -1,0 +1,49 @@
+"""Shared fixtures: one real local Ray and one real Serve (HTTP on 127.0.0.1) for the whole run."""
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    import ray
+
+    from services.runtime import init_ray
+
+    started = init_ray(num_cpus=2)
+    yield ray
+    if started:
+        ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def serve_port(ray_cluster) -> int:
+    from services.config import ServeConfig
+    from services.runtime import start_serve
+
+    _, port = start_serve(ServeConfig(port=0))
+    return port
+
+
+@pytest.fixture()
+def reward_url(serve_port) -> str:
+    """Base URL of the reward ensemble app, (re)deployed if a run removed it."""
+    from ray import serve
+
+    from reward.config import RewardConfig
+    from services.reward_app import APP_NAME, ROUTE_PREFIX, build_reward_app
+
+    apps = serve.status().applications
+    if APP_NAME not in apps or apps[APP_NAME].status != "RUNNING":
+        serve.run(build_reward_app(RewardConfig()), name=APP_NAME, route_prefix=ROUTE_PREFIX)
+    return f"http://127.0.0.1:{serve_port}{ROUTE_PREFIX}"

@@ -1,0 +1,57 @@
+"""Config loading, overrides and the errors users see."""
+from __future__ import annotations
+
+import pytest
+from typer.testing import CliRunner
+
+from services.cli import app
+from services.config import ConfigError, DEFAULT_CONFIG, load_config, parse_override
+
+
+def test_default_config_loads_and_overrides_apply():
+    cfg = load_config()
+    assert cfg.objective.name == "grpo" and cfg.run.steps > 0
+    cfg = load_config(DEFAULT_CONFIG, ["learner.lr=3e-5", "run.steps=7", "reward.train_on=mean",
+                                       "model.block_out_channels=[16,32]"])
+    assert cfg.learner.lr == 3e-5 and cfg.run.steps == 7 and cfg.reward.train_on == "mean"
+    assert cfg.model.block_out_channels == (16, 32)
+
+
+@pytest.mark.parametrize("override, field", [
+    ("learner.lrr=1", "learner.lrr"),
+    ("learner.lr=-1", "learner.lr"),
+    ("learner.lr=fast", "learner.lr"),
+    ("objective.eps_clip=2", "objective.eps_clip"),
+    ("sampler.logp_reduce=median", "sampler.logp_reduce"),
+    ("nosuchsection.x=1", "nosuchsection"),
+    ("serve.replica_cpus=1", "serve.replica_cpus"),
+    ("reward.train_on=gold", "reward"),
+])
+def test_bad_key_or_value_names_the_field(override, field):
+    with pytest.raises(ConfigError) as err:
+        load_config(DEFAULT_CONFIG, [override])
+    assert field in str(err.value)
+
+
+def test_override_syntax_errors():
+    with pytest.raises(ConfigError, match="key.sub=value"):
+        parse_override("learner.lr")
+    with pytest.raises(ConfigError, match="empty key"):
+        parse_override("learner..lr=1")
+    assert parse_override("a.b=[1, 2]") == ("a.b", [1, 2])
+
+
+def test_missing_config_file_is_named(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "nope.yaml")
+
+
+def test_cli_bad_override_exits_2_with_the_field_named():
+    result = CliRunner().invoke(app, ["train", "learner.zero_stage=7"])
+    assert result.exit_code == 2
+    assert "learner.zero_stage" in result.output
+
+
+def test_cli_eval_rejects_a_folder_that_is_not_a_run(tmp_path):
+    result = CliRunner().invoke(app, ["eval", str(tmp_path)])
+    assert result.exit_code == 2 and "not a run folder" in result.output
