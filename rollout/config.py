@@ -36,6 +36,8 @@ class SchedulerConfig(StrictModel):
 
     num_train_timesteps: int = Field(1000, ge=10)
     beta_schedule: Literal["linear", "scaled_linear", "squaredcos_cap_v2"] = "squaredcos_cap_v2"
+    timestep_spacing: Literal["leading", "trailing", "linspace"] = Field(
+        "leading", description="leading (DDIM default); trailing starts at t=T-1, where eps-prediction is ill-posed")
 
 
 class SamplerConfig(StrictModel):

@@ -38,6 +38,7 @@ def build_scheduler(cfg: SchedulerConfig) -> DDIMScheduler:
         clip_sample=False,
         set_alpha_to_one=True,
         prediction_type="epsilon",
+        timestep_spacing=cfg.timestep_spacing,
     )
 
 

@@ -4,9 +4,9 @@ One deployment per reward model (`@serve.batch` groups concurrent requests into 
 composed by an ingress deployment that returns per-model scores, mean, spread, the training reward
 and a rank-disagreement uncertainty per sample (`reward.ensemble.combine_scores`). The ingress is a
 FastAPI app (OpenAPI at /docs) used over REST from outside and through a DeploymentHandle
-(`score_tensors`) inside the cluster.
+(`score_tensors`) inside the cluster. (No `from __future__ import annotations` here: FastAPI must
+see real types on the routes that Serve's ingress wraps.)
 """
-from __future__ import annotations
 
 import asyncio
 from typing import Any
