@@ -19,7 +19,12 @@ class ObjectiveConfig(StrictModel):
     eps_clip: float = Field(1e-4, gt=0, lt=1, description="PPO clip range for the per-step ratio")
     adv_clip: float = Field(5.0, gt=0, description="advantages clipped to [-adv_clip, adv_clip]")
     kl_coef: float = Field(0.0, ge=0, description="weight of the analytic Gaussian KL to the reference")
-    timestep_fraction: float = Field(0.5, gt=0, le=1, description="share of stochastic steps trained per sample")
+    timestep_fraction: float = Field(0.5, gt=0, le=1, description="share of trained steps drawn per sample")
+    train_min_std: float = Field(
+        0.0, ge=0,
+        description="train only steps whose std is at least this (0: every stochastic step, as DDPO). The "
+        "per-step score (x_prev - mu)/sigma^2 scales as 1/sigma, so a near-deterministic step (sigma ~ 0.006 "
+        "for the digits schedule) swamps the gradient; the presets set 0.05.")
 
 
 class LearnerConfig(StrictModel):

@@ -2,12 +2,13 @@
 
 One `update(batch)`:
  1. advantages from the objective (group-relative for GRPO);
- 2. a fixed shuffle into micro-batches; a no-grad pre-pass recomputes old_logp at every
-    stochastic step with the update's own micro-batching (float32 numerics depend on batch shape
-    and threads) and logs the gap to the rollout's values (`policy/rollout_logp_absdiff_max`);
- 3. `inner_epochs` passes; in each, every sample trains on a random `timestep_fraction` of its
-    stochastic steps; gradients accumulate over those steps (DeepSpeed GAS) and the optimiser
-    steps once per micro-batch.
+ 2. a fixed shuffle into micro-batches; a no-grad pre-pass recomputes old_logp at every trained
+    step (stochastic and std >= objective.train_min_std) with the update's own micro-batching
+    (float32 numerics depend on batch shape and threads) and logs the gap to the rollout's values
+    (`policy/rollout_logp_absdiff_max`);
+ 3. `inner_epochs` passes; in each, every sample trains on a random `timestep_fraction` of the
+    trained steps; gradients accumulate over those steps (DeepSpeed GAS) and the optimiser steps
+    once per micro-batch.
 """
 from __future__ import annotations
 
@@ -66,8 +67,11 @@ class DeepSpeedLearner:
         self.obj_cfg = objective_cfg
         self.cfg = learner_cfg
         self.objective = get_objective(objective_cfg.name)
-        n_trainable = int(sampler.trainable.sum())
-        self.steps_per_sample = max(1, round(objective_cfg.timestep_fraction * n_trainable))
+        self.train_steps = torch.nonzero(sampler.trainable & (sampler.std >= objective_cfg.train_min_std)).flatten()
+        if len(self.train_steps) == 0:
+            raise ValueError(f"objective.train_min_std={objective_cfg.train_min_std} leaves no step to train "
+                             f"(step stds: {[round(float(s), 4) for s in sampler.std]})")
+        self.steps_per_sample = max(1, round(objective_cfg.timestep_fraction * len(self.train_steps)))
         self.reference = copy.deepcopy(policy).eval().requires_grad_(False)
         if not torch.distributed.is_initialized():
             deepspeed.init_distributed(dist_backend=learner_cfg.backend)
@@ -85,8 +89,8 @@ class DeepSpeedLearner:
 
     @torch.no_grad()
     def _recompute_old_logp(self, micro: list[RolloutBatch]) -> tuple[list[Tensor], dict[str, float]]:
-        """Old log-probs at every stochastic step, micro-batched as the update is; plus KL monitor."""
-        steps = self.sampler.trainable_steps
+        """Old log-probs at every trained step, micro-batched as the update is; plus KL monitor."""
+        steps = self.train_steps
         out, diffs, kls = [], [], []
         for mb in micro:
             lp = torch.zeros_like(mb.old_logp)
@@ -131,7 +135,7 @@ class DeepSpeedLearner:
         sums: dict[str, float] = defaultdict(float)
         count = 0
         grad_norms = []
-        steps = self.sampler.trainable_steps
+        steps = self.train_steps
         self.engine.train()
         for _ in range(self.cfg.inner_epochs):
             for mb, old_lp in zip(micro, old_logps):
