@@ -92,8 +92,10 @@ class Controller:
                 for i, s in enumerate(splits)
             ]
             ray.get(self.learner.weights.remote())  # wait until the engine is up (surfaces init errors)
+        self.reward_url = f"http://{cfg.serve.host}:{self.port}{ROUTE_PREFIX}"
+        write_text_atomically(self.run_dir / "endpoints.json", json.dumps({"reward": self.reward_url}))
         if cfg.run.progress:
-            self.console.print(f"reward ensemble: http://{cfg.serve.host}:{self.port}{ROUTE_PREFIX}/docs   "
+            self.console.print(f"reward ensemble: {self.reward_url}/docs   "
                                f"run folder: {self.run_dir}   logs: {self.run_dir / 'logs'}")
 
     def shutdown(self) -> None:
@@ -212,7 +214,7 @@ class Controller:
             interrupted = True
             ckpt = latest_checkpoint(self.run_dir)
             self.console.print(f"[yellow]interrupted after step {steps_done}; last checkpoint: "
-                               f"{ckpt if ckpt else 'none'} (resume with `steadyrl train --resume {self.run_dir}`)")
+                               f"{ckpt if ckpt else 'none'} (resume with `steadyrl train --resume {self.run_dir}`)", soft_wrap=True)
         finally:
             if writer is not None:
                 writer.close()

@@ -1,0 +1,50 @@
+"""Ctrl-C on a running job: it stops, shuts Ray and Serve down, and the last checkpoint is intact."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from safetensors.torch import load_file
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_sigint_stops_cleanly_and_keeps_the_last_checkpoint(tmp_path):
+    run = tmp_path / "run"
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}  # its own local Ray, as a user's
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "services.job", "configs/smoke.yaml", f"run.run_dir={run}", "run.steps=500",
+         "run.checkpoint_every=2"],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True, env=env,
+    )
+    try:
+        deadline = time.time() + 400
+        while not (run / "checkpoints" / "latest").exists():
+            assert proc.poll() is None, proc.communicate()[0].decode()[-3000:]
+            assert time.time() < deadline, "no checkpoint within the deadline"
+            time.sleep(0.5)
+        url = json.loads((run / "endpoints.json").read_text())["reward"]
+        assert httpx.get(f"{url}/healthz", timeout=30).status_code == 200
+        time.sleep(1.0)  # land the signal mid-step
+        os.killpg(proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C does: the whole process group
+        out = proc.communicate(timeout=120)[0].decode()
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 130, out[-3000:]
+    assert "interrupted after step" in out and "Traceback" not in out, out[-3000:]
+    ckpts = run / "checkpoints"
+    latest = ckpts / (ckpts / "latest").read_text().strip()
+    step = json.loads((latest / "controller.json").read_text())["step"]
+    assert step >= 2 and step % 2 == 0
+    assert len(load_file(str(latest / "policy.safetensors"))) > 10
+    assert (latest / "engine").is_dir() and not list(ckpts.glob(".*tmp*"))
+    with pytest.raises(httpx.TransportError):  # Serve's HTTP proxy went down with the job's Ray
+        httpx.get(f"{url}/healthz", timeout=5)
