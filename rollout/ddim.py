@@ -83,10 +83,13 @@ class DDIMLogProbSampler:
         generator: torch.Generator,
         dtype: torch.dtype = torch.float32,
         sample_shape: tuple[int, ...] = (1, 8, 8),
+        group_offset: int = 0,
     ) -> RolloutBatch:
-        """Draw `n_per_cond` samples for each entry of `cond`; one group per entry."""
+        """Draw `n_per_cond` samples for each entry of `cond`; one group per entry, numbered from
+        `group_offset` (workers use distinct offsets so their batches can be joined)."""
+        n_groups = len(cond)
         cond = cond.long().repeat_interleave(n_per_cond)
-        group = torch.arange(len(cond) // n_per_cond).repeat_interleave(n_per_cond)
+        group = (group_offset + torch.arange(n_groups)).repeat_interleave(n_per_cond)
         B, T = len(cond), self.cfg.num_steps
         x = torch.randn((B, *sample_shape), generator=generator, dtype=dtype)
         traj = [x]

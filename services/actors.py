@@ -35,11 +35,13 @@ def step_seed(seed: int, step: int, worker: int) -> int:
 class RolloutWorker:
     """Holds a policy copy; samples groups per class and scores them through the Serve ensemble."""
 
-    def __init__(self, cfg: dict[str, Any], base_model: str, classes: list[int], index: int, run_dir: str):
+    def __init__(self, cfg: dict[str, Any], base_model: str, classes: list[int], index: int, run_dir: str,
+                 group_offset: int = 0):
         self.cfg = TrainConfig.model_validate(cfg)
         _setup_process(self.cfg, Path(run_dir) / "logs" / f"rollout_{index}.log")
         self.index = index
         self.class_ids = torch.tensor(classes, dtype=torch.long)
+        self.group_offset = group_offset
         self.policy = load_pretrained_unet(self.cfg.model, Path(base_model))
         self.sampler = DDIMLogProbSampler(self.cfg.sampler, build_scheduler(self.cfg.scheduler))
         self.reward = serve.get_app_handle(APP_NAME)
@@ -59,7 +61,7 @@ class RolloutWorker:
         gen = torch.Generator().manual_seed(step_seed(self.cfg.run.seed, step, self.index))
         t0 = time.perf_counter()
         batch = self.sampler.sample(self.policy, self.class_ids, self.cfg.sampler.samples_per_class, gen,
-                                    sample_shape=IMAGE_SHAPE)
+                                    sample_shape=IMAGE_SHAPE, group_offset=self.group_offset)
         t1 = time.perf_counter()
         batch, scores = self._score(batch)
         t2 = time.perf_counter()

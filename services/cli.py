@@ -76,7 +76,7 @@ def pretrain(args: list[str] = typer.Argument(None, help="[CONFIG] key.sub=value
     path = ensure_pretrained_unet(cfg.model, cfg.scheduler, cfg.pretrain)
     console.print(f"diffusion model: {path}")
     members, monitors, _ = build_reward_models(cfg.reward)
-    print_accuracies(members + monitors, console)
+    print_accuracies(members, monitors, console)
 
 
 @app.command("serve-reward")

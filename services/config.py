@@ -31,7 +31,7 @@ class ServeConfig(StrictModel):
 class RayConfig(StrictModel):
     address: str | None = Field(None, description="None: $RAY_ADDRESS or a new local Ray")
     num_cpus: int | None = Field(None, ge=1, description="for a new local Ray; None = all cores")
-    rollout_workers: int = Field(1, ge=1)
+    rollout_workers: int = Field(1, ge=1, le=10, description="each samples its share of the 10 classes")
     actor_cpus: float = Field(0.5, gt=0)
     torch_threads: int | None = Field(None, ge=1, description="None = all cores (phases run one after another)")
 

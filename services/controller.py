@@ -25,7 +25,7 @@ from reward.config import build_reward_models, print_accuracies
 from rollout.cache import write_text_atomically
 from services.actors import LearnerActor, RolloutWorker
 from services.config import TrainConfig, dump_config, load_config
-from services.report import MetricsWriter, save_curves, save_sample_grid
+from services.report import MetricsWriter, read_metrics, save_curves, save_sample_grid
 from services.reward_app import APP_NAME, ROUTE_PREFIX, build_reward_app
 from services.runtime import free_port, init_ray, start_serve
 from trainer.pretrain import ensure_pretrained_unet
@@ -76,7 +76,7 @@ class Controller:
         self.base_model = ensure_pretrained_unet(cfg.model, cfg.scheduler, cfg.pretrain, progress=cfg.run.progress)
         members, monitors, _ = build_reward_models(cfg.reward)
         if cfg.run.progress:
-            print_accuracies(members + monitors, self.console)
+            print_accuracies(members, monitors, self.console)
         with self.console.status("starting Ray, the Serve reward ensemble and the DeepSpeed learner"):
             self._started_ray = init_ray(cfg.ray.address, cfg.ray.num_cpus)
             self._started_serve, self.port = start_serve(cfg.serve, self.run_dir / "logs" / "serve")
@@ -88,7 +88,7 @@ class Controller:
             splits = np.array_split(np.arange(10), cfg.ray.rollout_workers)
             self.workers = [
                 RolloutWorker.options(num_cpus=cfg.ray.actor_cpus).remote(
-                    cfg_dict, str(self.base_model), s.tolist(), i, str(self.run_dir))
+                    cfg_dict, str(self.base_model), s.tolist(), i, str(self.run_dir), int(s[0]))
                 for i, s in enumerate(splits)
             ]
             ray.get(self.learner.weights.remote())  # wait until the engine is up (surfaces init errors)
@@ -219,8 +219,6 @@ class Controller:
             if writer is not None:
                 writer.close()
             self.shutdown()
-        from services.report import read_metrics
-
         save_curves(read_metrics(self.run_dir), self.evals, self.run_dir / "curves.png")
         n = max(1, steps_done - start)
         timing = {k: v / n for k, v in timing_sums.items()}

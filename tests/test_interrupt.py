@@ -16,6 +16,11 @@ from safetensors.torch import load_file
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def _default_sigint() -> None:
+    """A shell's background jobs inherit SIGINT as ignored; give the child a terminal's default."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def test_sigint_stops_cleanly_and_keeps_the_last_checkpoint(tmp_path):
     run = tmp_path / "run"
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}  # its own local Ray, as a user's
@@ -23,6 +28,7 @@ def test_sigint_stops_cleanly_and_keeps_the_last_checkpoint(tmp_path):
         [sys.executable, "-m", "services.job", "configs/smoke.yaml", f"run.run_dir={run}", "run.steps=500",
          "run.checkpoint_every=2"],
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True, env=env,
+        preexec_fn=_default_sigint,
     )
     try:
         deadline = time.time() + 400

@@ -42,7 +42,7 @@ def test_grpo_loss_at_ratio_one_is_minus_mean_advantage_and_kl_adds_linearly():
     cfg = ObjectiveConfig(eps_clip=0.1, kl_coef=0.5)
     loss, m = obj.loss(StepInputs(new_logp=lp, old_logp=lp.detach(), advantages=adv,
                                   kl_ref=torch.tensor([0.2, 0.4, 0.0])), cfg, {})
-    assert float(loss) == pytest.approx(-adv.mean().item() + 0.5 * 0.2)
+    assert loss.item() == pytest.approx(-adv.mean().item() + 0.5 * 0.2)
     loss.backward()
     assert torch.allclose(lp.grad, -adv / 3)  # d/dlogp of -A*exp(lp - lp_old) at ratio 1
     assert float(m["policy/clip_frac"]) == 0.0 and float(m["policy/ratio_mean"]) == 1.0
@@ -88,3 +88,17 @@ def test_batch_split_index_concat_round_trip():
         batch.train_reward()
     with pytest.raises(ValueError, match="micro_batch_size"):
         batch.split(0)
+
+
+def test_group_offset_keeps_groups_of_joined_worker_batches_apart():
+    from rollout.config import SamplerConfig, SchedulerConfig, UNetConfig
+    from rollout.ddim import DDIMLogProbSampler
+    from rollout.models import build_scheduler, build_unet
+
+    model = build_unet(UNetConfig(block_out_channels=(8, 16), norm_num_groups=4))
+    sampler = DDIMLogProbSampler(SamplerConfig(num_steps=3), build_scheduler(SchedulerConfig()))
+    g = torch.Generator().manual_seed(0)
+    a = sampler.sample(model, torch.tensor([0, 1]), 2, g, group_offset=0)
+    b = sampler.sample(model, torch.tensor([2, 3]), 2, g, group_offset=2)
+    joined = RolloutBatch.concat([a, b])
+    assert joined.group.tolist() == [0, 0, 1, 1, 2, 2, 3, 3]

@@ -133,7 +133,7 @@ class DeepSpeedLearner:
         micro = batch.index(perm).split(self.cfg.micro_batch_size)
         old_logps, metrics = self._recompute_old_logp(micro)
         sums: dict[str, float] = defaultdict(float)
-        count = 0
+        count = opt_steps = 0
         grad_norms = []
         steps = self.train_steps
         self.engine.train()
@@ -155,6 +155,7 @@ class DeepSpeedLearner:
                     for k, v in m.items():  # "*_max" metrics aggregate by max, the rest by mean
                         sums[k] = max(sums.get(k, -math.inf), float(v)) if k.endswith("_max") else sums[k] + float(v)
                     count += 1
+                opt_steps += 1  # one optimiser step per micro-batch (GAS = steps_per_sample)
                 gn = self.engine.get_global_grad_norm()  # set by ZeRO optimisers; None for stage 0
                 gn = pre_clip_norm if gn is None else float(gn)
                 if gn is not None and math.isfinite(gn):
@@ -164,7 +165,7 @@ class DeepSpeedLearner:
         metrics.update({
             "policy/grad_norm": sum(grad_norms) / max(1, len(grad_norms)),
             "policy/adv_abs_mean": float(adv.abs().mean()),
-            "policy/optimizer_steps": float(len(grad_norms)),
+            "policy/optimizer_steps": float(opt_steps),
             "reward/nonfinite_skipped": float(skipped),
             "policy/lr": float(self.engine.get_lr()[0]),
         })
