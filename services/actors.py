@@ -10,7 +10,8 @@ import ray
 import torch
 from ray import serve
 
-from reward.diversity import mean_pairwise_distance, nearest_neighbour_distance
+from reward.diversity import nearest_neighbour_distance
+from reward.evaluation import class_grid, eval_summary
 from rollout.batch import RolloutBatch
 from rollout.ddim import DDIMLogProbSampler
 from rollout.digits import IMAGE_SHAPE, NUM_CLASSES
@@ -88,23 +89,12 @@ class RolloutWorker:
     def evaluate(self, n_per_class: int, seed: int, grid_per_class: int = 8) -> dict[str, Any]:
         """Gold accuracy per class, proxy reward and diversity on seeded samples; a small sample grid."""
         gen = torch.Generator().manual_seed(seed)
-        classes = torch.arange(NUM_CLASSES)
-        batch = self.sampler.sample(self.policy, classes, n_per_class, gen, sample_shape=IMAGE_SHAPE)
+        batch = self.sampler.sample(self.policy, torch.arange(NUM_CLASSES), n_per_class, gen,
+                                    sample_shape=IMAGE_SHAPE)
         batch, scores = self._score(batch)
-        gold = self.cfg.reward.gold.name
-        correct = scores.monitors[f"{gold}_correct"]
-        per_class = [float(correct[batch.cond == c].mean()) for c in classes]
-        grid = batch.samples.view(NUM_CLASSES, n_per_class, *IMAGE_SHAPE)[:, :grid_per_class].clone()
-        return {
-            "gold_accuracy": float(correct.mean()),
-            "gold_accuracy_per_class": per_class,
-            "proxy_mean": float(scores.reward.mean()),
-            "ensemble_mean": float(scores.mean.mean()),
-            "diversity_pairwise": mean_pairwise_distance(scores.features, batch.group),
-            "diversity_nn": float(nearest_neighbour_distance(scores.features, batch.group).mean()),
-            "n_samples": len(batch),
-            "grid": grid,
-        }
+        result = eval_summary(batch.cond, batch.group, scores, self.cfg.reward.gold.name, NUM_CLASSES)
+        result["grid"] = class_grid(batch.samples, NUM_CLASSES, grid_per_class)
+        return result
 
 
 @ray.remote

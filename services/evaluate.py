@@ -1,4 +1,4 @@
-"""`steadyrl eval RUN_DIR`: score a checkpoint's samples with the gold classifier, locally."""
+"""`steadyrl eval RUN_DIR`: score a checkpoint's seeded samples in-process (no Ray needed)."""
 from __future__ import annotations
 
 import json
@@ -8,8 +8,9 @@ from typing import Any
 import torch
 from safetensors.torch import load_file
 
-from reward.classifiers import load_classifier
-from reward.diversity import mean_pairwise_distance, nearest_neighbour_distance
+from reward.config import build_reward_models
+from reward.ensemble import RewardEnsemble
+from reward.evaluation import class_grid, eval_summary
 from rollout.ddim import DDIMLogProbSampler
 from rollout.digits import IMAGE_SHAPE, NUM_CLASSES
 from rollout.models import build_scheduler, build_unet
@@ -20,7 +21,10 @@ from services.report import save_sample_grid
 
 def evaluate_checkpoint(run_dir: Path, step: int | None = None, n_per_class: int | None = None,
                         seed: int | None = None) -> dict[str, Any]:
-    """Gold accuracy per class, proxy reward, diversity and a sample grid for one checkpoint."""
+    """Gold accuracy per class, proxy reward, diversity and a sample grid for one checkpoint.
+
+    Writes RUN_DIR/eval_step_N/{eval.json,samples.png}.
+    """
     run_dir = Path(run_dir)
     cfg = load_config(run_dir / "config.yaml")
     ckpt = latest_checkpoint(run_dir) if step is None else run_dir / CHECKPOINTS / f"step_{step}"
@@ -33,24 +37,15 @@ def evaluate_checkpoint(run_dir: Path, step: int | None = None, n_per_class: int
     sampler = DDIMLogProbSampler(cfg.sampler, build_scheduler(cfg.scheduler))
     gen = torch.Generator().manual_seed(cfg.run.eval_seed if seed is None else seed)
     batch = sampler.sample(policy, torch.arange(NUM_CLASSES), n, gen, sample_shape=IMAGE_SHAPE)
-    gold = load_classifier(cfg.reward.gold)
-    feats_model = load_classifier(next(s for s in cfg.reward.members if s.name == cfg.reward.feature_model))
-    proxy_spec = next((s for s in cfg.reward.members if s.name == cfg.reward.train_on), None)
-    correct = gold.correct(batch.samples, batch.cond)
-    feats = feats_model.features(batch.samples)
-    result = {
-        "checkpoint": str(ckpt),
-        "gold_accuracy": float(correct.mean()),
-        "gold_accuracy_per_class": [float(correct[batch.cond == c].mean()) for c in range(NUM_CLASSES)],
-        "proxy_mean": float(load_classifier(proxy_spec).score(batch.samples, batch.cond).mean()) if proxy_spec else None,
-        "diversity_pairwise": mean_pairwise_distance(feats, batch.group),
-        "diversity_nn": float(nearest_neighbour_distance(feats, batch.group).mean()),
-        "n_samples": len(batch),
-    }
+    members, monitors, feature_name = build_reward_models(cfg.reward)
+    ensemble = RewardEnsemble(members, cfg.reward.train_on, monitors,
+                              next(m for m in members if m.name == feature_name))
+    scores = ensemble.score_all(batch.samples, batch.cond, batch.group)
+    result = {"checkpoint": str(ckpt), **eval_summary(batch.cond, batch.group, scores, cfg.reward.gold.name,
+                                                      NUM_CLASSES)}
     out = run_dir / f"eval_{ckpt.name}"
     out.mkdir(exist_ok=True)
-    grid = batch.samples.view(NUM_CLASSES, n, *IMAGE_SHAPE)[:, : min(n, 8)]
-    save_sample_grid(grid, out / "samples.png", f"{ckpt.name}: gold accuracy {result['gold_accuracy']:.1%}",
-                     result["gold_accuracy_per_class"])
+    save_sample_grid(class_grid(batch.samples, NUM_CLASSES, 8), out / "samples.png",
+                     f"{ckpt.name}: gold accuracy {result['gold_accuracy']:.1%}", result["gold_accuracy_per_class"])
     (out / "eval.json").write_text(json.dumps(result, indent=1))
     return result
