@@ -5,7 +5,7 @@ from pathlib import Path
 
 import torch
 from diffusers import DDIMScheduler, UNet2DModel
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from rollout.config import SchedulerConfig, UNetConfig
 
@@ -42,10 +42,12 @@ def build_scheduler(cfg: SchedulerConfig) -> DDIMScheduler:
     )
 
 
+def unet_from_weights(cfg: UNetConfig, weights: dict[str, torch.Tensor]) -> UNet2DModel:
+    """A UNet of architecture `cfg` holding `weights` (e.g. a state dict passed through Ray's object store)."""
+    model = build_unet(cfg)
+    model.load_state_dict(weights)
+    return model.eval()
+
+
 def save_weights(model: torch.nn.Module, path: Path) -> None:
     save_file({k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}, str(path))
-
-
-def load_weights(model: torch.nn.Module, path: Path) -> torch.nn.Module:
-    model.load_state_dict(load_file(str(path)))
-    return model

@@ -15,11 +15,10 @@ from reward.evaluation import class_grid, eval_summary
 from rollout.batch import RolloutBatch
 from rollout.ddim import DDIMLogProbSampler
 from rollout.digits import IMAGE_SHAPE, NUM_CLASSES
-from rollout.models import build_scheduler
+from rollout.models import build_scheduler, unet_from_weights
 from services.config import TrainConfig
 from services.reward_app import APP_NAME
 from services.runtime import redirect_output
-from trainer.pretrain import load_pretrained_unet
 
 
 def _setup_process(cfg: TrainConfig, log_file: Path) -> None:
@@ -36,14 +35,15 @@ def step_seed(seed: int, step: int, worker: int) -> int:
 class RolloutWorker:
     """Holds a policy copy; samples groups per class and scores them through the Serve ensemble."""
 
-    def __init__(self, cfg: dict[str, Any], base_model: str, classes: list[int], index: int, run_dir: str,
+    def __init__(self, cfg: dict[str, Any], base_weights: dict[str, torch.Tensor], classes: list[int], index: int,
+                 run_dir: str,
                  group_offset: int = 0):
         self.cfg = TrainConfig.model_validate(cfg)
         _setup_process(self.cfg, Path(run_dir) / "logs" / f"rollout_{index}.log")
         self.index = index
         self.class_ids = torch.tensor(classes, dtype=torch.long)
         self.group_offset = group_offset
-        self.policy = load_pretrained_unet(self.cfg.model, Path(base_model))
+        self.policy = unet_from_weights(self.cfg.model, base_weights)
         self.sampler = DDIMLogProbSampler(self.cfg.sampler, build_scheduler(self.cfg.scheduler))
         self.reward = serve.get_app_handle(APP_NAME)
 
@@ -101,7 +101,7 @@ class RolloutWorker:
 class LearnerActor:
     """Hosts the DeepSpeed engine (rank 0 of a world of 1 for now; an actor group later)."""
 
-    def __init__(self, cfg: dict[str, Any], base_model: str, run_dir: str, master_port: int,
+    def __init__(self, cfg: dict[str, Any], base_weights: dict[str, torch.Tensor], run_dir: str, master_port: int,
                  rank: int = 0, world_size: int = 1):
         self.cfg = TrainConfig.model_validate(cfg)
         _setup_process(self.cfg, Path(run_dir) / "logs" / f"learner_{rank}.log")
@@ -110,7 +110,7 @@ class LearnerActor:
         from trainer.learner import DeepSpeedLearner
 
         torch.manual_seed(self.cfg.run.seed)
-        policy = load_pretrained_unet(self.cfg.model, Path(base_model))
+        policy = unet_from_weights(self.cfg.model, base_weights).train()
         sampler = DDIMLogProbSampler(self.cfg.sampler, build_scheduler(self.cfg.scheduler))
         self.learner = DeepSpeedLearner(policy, sampler, self.cfg.objective, self.cfg.learner, seed=self.cfg.run.seed)
 

@@ -20,6 +20,7 @@ from ray import serve
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
+from safetensors.torch import load_file
 
 from reward.config import build_reward_models, print_accuracies
 from rollout.cache import write_text_atomically
@@ -74,7 +75,8 @@ class Controller:
         if not self.resume:
             write_text_atomically(self.run_dir / "config.yaml", dump_config(cfg))
         self.base_model = ensure_pretrained_unet(cfg.model, cfg.scheduler, cfg.pretrain, progress=cfg.run.progress)
-        members, monitors, _ = build_reward_models(cfg.reward)
+        with self.console.status("reward classifiers (trained and cached on first use)"):
+            members, monitors, _ = build_reward_models(cfg.reward)
         if cfg.run.progress:
             print_accuracies(members, monitors, self.console)
         with self.console.status("starting Ray, the Serve reward ensemble and the DeepSpeed learner"):
@@ -83,12 +85,14 @@ class Controller:
             serve.run(build_reward_app(cfg.reward, cfg.serve.replica_cpus, cfg.serve.max_batch_size,
                                        cfg.serve.batch_wait_timeout_s), name=APP_NAME, route_prefix=ROUTE_PREFIX)
             cfg_dict = cfg.model_dump(mode="json")
+            # the base weights travel through the object store: no node but the driver's needs the cache
+            base_weights = ray.put(load_file(str(self.base_model)))
             self.learner = LearnerActor.options(num_cpus=cfg.ray.actor_cpus).remote(
-                cfg_dict, str(self.base_model), str(self.run_dir), free_port())
+                cfg_dict, base_weights, str(self.run_dir), free_port())
             splits = np.array_split(np.arange(10), cfg.ray.rollout_workers)
             self.workers = [
                 RolloutWorker.options(num_cpus=cfg.ray.actor_cpus).remote(
-                    cfg_dict, str(self.base_model), s.tolist(), i, str(self.run_dir), int(s[0]))
+                    cfg_dict, base_weights, s.tolist(), i, str(self.run_dir), int(s[0]))
                 for i, s in enumerate(splits)
             ]
             ray.get(self.learner.weights.remote())  # wait until the engine is up (surfaces init errors)

@@ -8,11 +8,12 @@ import torch
 import torch.nn.functional as F
 from pydantic import Field
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+from safetensors.torch import load_file
 
 from rollout.cache import build_dir_atomically, cache_root, config_key
 from rollout.config import SchedulerConfig, StrictModel, UNetConfig
 from rollout.digits import digit_splits, load_digits_tensors
-from rollout.models import build_scheduler, build_unet, load_weights, save_weights
+from rollout.models import build_scheduler, build_unet, save_weights, unet_from_weights
 
 MODEL_FILE = "unet.safetensors"
 
@@ -85,4 +86,4 @@ def ensure_pretrained_unet(
 
 
 def load_pretrained_unet(unet_cfg: UNetConfig, path: Path) -> torch.nn.Module:
-    return load_weights(build_unet(unet_cfg), path).eval()
+    return unet_from_weights(unet_cfg, load_file(str(path)))
