@@ -83,6 +83,9 @@ class RolloutWorker:
             summary[f"reward/{name}"] = float(col.mean())
         return batch, summary
 
+    def ready(self) -> bool:
+        return True
+
     def set_weights(self, weights: dict[str, torch.Tensor]) -> None:
         self.policy.load_state_dict(weights)
 
@@ -113,6 +116,9 @@ class LearnerActor:
         policy = unet_from_weights(self.cfg.model, base_weights).train()
         sampler = DDIMLogProbSampler(self.cfg.sampler, build_scheduler(self.cfg.scheduler))
         self.learner = DeepSpeedLearner(policy, sampler, self.cfg.objective, self.cfg.learner, seed=self.cfg.run.seed)
+
+    def ready(self) -> bool:
+        return True
 
     def update(self, *batches: RolloutBatch) -> dict[str, float]:
         t0 = time.perf_counter()

@@ -66,7 +66,8 @@ class Controller:
         self.console = console or Console()
         self.resume = resume
         self.evals: list[dict[str, Any]] = []
-        self._started_ray = self._started_serve = False
+        self._ray_mode = "existing"
+        self._started_serve = False
 
     # ---------------------------------------------------------------- set-up / tear-down
     def setup(self) -> None:
@@ -80,7 +81,7 @@ class Controller:
         if cfg.run.progress:
             print_accuracies(members, monitors, self.console)
         with self.console.status("starting Ray, the Serve reward ensemble and the DeepSpeed learner"):
-            self._started_ray = init_ray(cfg.ray.address, cfg.ray.num_cpus)
+            self._ray_mode = init_ray(cfg.ray.address, cfg.ray.num_cpus)
             self._started_serve, self.port = start_serve(cfg.serve, self.run_dir / "logs" / "serve")
             serve.run(build_reward_app(cfg.reward, cfg.serve.replica_cpus, cfg.serve.max_batch_size,
                                        cfg.serve.batch_wait_timeout_s), name=APP_NAME, route_prefix=ROUTE_PREFIX)
@@ -95,7 +96,8 @@ class Controller:
                     cfg_dict, base_weights, s.tolist(), i, str(self.run_dir), int(s[0]))
                 for i, s in enumerate(splits)
             ]
-            ray.get(self.learner.weights.remote())  # wait until the engine is up (surfaces init errors)
+            # wait until every actor is up (surfaces init errors here, not at the first step)
+            ray.get([a.ready.remote() for a in [self.learner, *self.workers]])
         self.reward_url = f"http://{cfg.serve.host}:{self.port}{ROUTE_PREFIX}"
         write_text_atomically(self.run_dir / "endpoints.json", json.dumps({"reward": self.reward_url}))
         if cfg.run.progress:
@@ -104,20 +106,19 @@ class Controller:
 
     def shutdown(self) -> None:
         """Stop what this run started; a Ray or Serve that was already running is left up."""
-        if self._started_ray:
-            ray.shutdown()  # takes Serve and every actor with it
-            return
         if not ray.is_initialized():
+            return
+        if self._ray_mode == "local":
+            ray.shutdown()  # the whole local Ray goes, Serve and every actor with it
             return
         for actor in getattr(self, "workers", []) + ([self.learner] if hasattr(self, "learner") else []):
             ray.kill(actor)
-        if self._started_serve:
+        if self._started_serve:  # Serve is detached: on a shared cluster it would outlive the job
             serve.shutdown()
-        else:
-            try:
-                serve.delete(APP_NAME)
-            except Exception:  # the app may never have been deployed
-                pass
+        elif APP_NAME in serve.status().applications:  # the app may never have been deployed
+            serve.delete(APP_NAME)
+        if self._ray_mode == "joined":
+            ray.shutdown()
 
     # ---------------------------------------------------------------- pieces of a step
     def sync_weights(self) -> float:

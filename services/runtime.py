@@ -33,23 +33,28 @@ def worker_env() -> dict[str, str]:
     return env
 
 
-def init_ray(address: str | None = None, num_cpus: int | None = None) -> bool:
-    """Join a running Ray (address / $RAY_ADDRESS) or start a local one. Returns True if we started it."""
+def init_ray(address: str | None = None, num_cpus: int | None = None) -> str:
+    """Join a running Ray (address / $RAY_ADDRESS) or start a local one.
+
+    Returns 'existing' (this process was already connected), 'joined' (connected to a running
+    cluster, e.g. inside `ray job submit`) or 'local' (started a new local Ray).
+    """
     for k, v in OFFLINE_ENV.items():
         os.environ.setdefault(k, v)
     if ray.is_initialized():
-        return False
+        return "existing"
+    joining = bool(address or os.environ.get("RAY_ADDRESS"))
     logging.getLogger("ray").setLevel(logging.WARNING)
     ray.init(
         address=address,
-        num_cpus=num_cpus if not (address or os.environ.get("RAY_ADDRESS")) else None,
+        num_cpus=None if joining else num_cpus,
         include_dashboard=False,
         log_to_driver=False,
         logging_level=logging.WARNING,
         runtime_env={"env_vars": worker_env()},
         configure_logging=True,
     )
-    return True
+    return "joined" if joining else "local"
 
 
 def start_serve(cfg: ServeConfig, logs_dir: Path | None = None) -> tuple[bool, int]:

@@ -20,7 +20,7 @@ def ray_cluster():
 
     from services.runtime import init_ray
 
-    started = init_ray(num_cpus=2)
+    started = init_ray(num_cpus=2) == "local"
     yield ray
     if started:
         ray.shutdown()
