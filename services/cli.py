@@ -89,15 +89,14 @@ def serve_reward(
     from ray import serve
 
     from reward.config import build_reward_models
-    from services.reward_app import APP_NAME, ROUTE_PREFIX, build_reward_app
+    from services.reward_app import ROUTE_PREFIX, deploy_reward_app
     from services.runtime import init_ray, start_serve
 
     _, _, cfg = _load((args or []) + [f"serve.host={host}", f"serve.port={port}"])
     build_reward_models(cfg.reward)
     init_ray(cfg.ray.address, cfg.ray.num_cpus)
     _, bound = start_serve(cfg.serve)
-    serve.run(build_reward_app(cfg.reward, cfg.serve.replica_cpus, cfg.serve.max_batch_size,
-                               cfg.serve.batch_wait_timeout_s), name=APP_NAME, route_prefix=ROUTE_PREFIX)
+    deploy_reward_app(cfg.reward, cfg.serve)
     base = f"http://{cfg.serve.host}:{bound}{ROUTE_PREFIX}"
     console.print(f"reward ensemble ready: POST {base}/score   GET {base}/healthz   docs {base}/docs")
     sys.stdout.flush()

@@ -27,7 +27,7 @@ from rollout.cache import write_text_atomically
 from services.actors import LearnerActor, RolloutWorker
 from services.config import TrainConfig, dump_config, load_config
 from services.report import MetricsWriter, read_metrics, save_curves, save_sample_grid
-from services.reward_app import APP_NAME, ROUTE_PREFIX, build_reward_app
+from services.reward_app import APP_NAME, ROUTE_PREFIX, deploy_reward_app
 from services.runtime import free_port, init_ray, start_serve
 from trainer.pretrain import ensure_pretrained_unet
 
@@ -83,8 +83,7 @@ class Controller:
         with self.console.status("starting Ray, the Serve reward ensemble and the DeepSpeed learner"):
             self._ray_mode = init_ray(cfg.ray.address, cfg.ray.num_cpus)
             self._started_serve, self.port = start_serve(cfg.serve, self.run_dir / "logs" / "serve")
-            serve.run(build_reward_app(cfg.reward, cfg.serve.replica_cpus, cfg.serve.max_batch_size,
-                                       cfg.serve.batch_wait_timeout_s), name=APP_NAME, route_prefix=ROUTE_PREFIX)
+            deploy_reward_app(cfg.reward, cfg.serve)
             cfg_dict = cfg.model_dump(mode="json")
             # the base weights travel through the object store: no node but the driver's needs the cache
             base_weights = ray.put(load_file(str(self.base_model)))

@@ -24,6 +24,7 @@ from reward.config import RewardConfig
 from reward.ensemble import EnsembleScores, combine_scores
 from reward.jpeg import JpegCompressibilityReward
 from rollout.digits import IMAGE_SHAPE, NUM_CLASSES
+from services.config import ServeConfig
 
 APP_NAME = "reward"
 ROUTE_PREFIX = "/reward"
@@ -174,20 +175,25 @@ class RewardEnsembleIngress:
                 "models": infos}
 
 
-def build_reward_app(cfg: RewardConfig, replica_cpus: float = 0.1, max_batch_size: int = 256,
-                     batch_wait_timeout_s: float = 0.005) -> serve.Application:
+def build_reward_app(cfg: RewardConfig, serve_cfg: ServeConfig | None = None) -> serve.Application:
     """Bind one deployment per reward model and the ensemble ingress."""
-    opts = {"ray_actor_options": {"num_cpus": replica_cpus}}
-    batching = {"max_batch_size": max_batch_size, "batch_wait_timeout_s": batch_wait_timeout_s}
-    members = [RewardModelDeployment.options(name=f"reward_{s.name}", **opts).bind("classifier", s.model_dump(),
-                                                                                   **batching)
-               for s in cfg.members]
+    serve_cfg = serve_cfg or ServeConfig()
+    opts = {"ray_actor_options": {"num_cpus": serve_cfg.replica_cpus}}
+    batching = {"max_batch_size": serve_cfg.max_batch_size, "batch_wait_timeout_s": serve_cfg.batch_wait_timeout_s}
+
+    def model(name: str, kind: str, spec: dict[str, Any] | None) -> serve.Application:
+        return RewardModelDeployment.options(name=name, **opts).bind(kind, spec, **batching)
+
+    members = [model(f"reward_{s.name}", "classifier", s.model_dump()) for s in cfg.members]
     names = [s.name for s in cfg.members]
     if cfg.jpeg:
-        members.append(RewardModelDeployment.options(name=f"reward_{JPEG_NAME}", **opts).bind("jpeg", None,
-                                                                                             **batching))
+        members.append(model(f"reward_{JPEG_NAME}", "jpeg", None))
         names.append(JPEG_NAME)
-    gold = RewardModelDeployment.options(name=f"monitor_{cfg.gold.name}", **opts).bind(
-        "classifier", cfg.gold.model_dump(), **batching)
+    gold = model(f"monitor_{cfg.gold.name}", "classifier", cfg.gold.model_dump())
     return RewardEnsembleIngress.options(name="ensemble", **opts).bind(
         members, names, gold, cfg.gold.name, cfg.train_on, cfg.feature_model)
+
+
+def deploy_reward_app(cfg: RewardConfig, serve_cfg: ServeConfig | None = None) -> None:
+    """Deploy (or update) the ensemble as the Serve application `reward` under /reward."""
+    serve.run(build_reward_app(cfg, serve_cfg), name=APP_NAME, route_prefix=ROUTE_PREFIX)

@@ -41,9 +41,9 @@ def reward_url(serve_port) -> str:
     from ray import serve
 
     from reward.config import RewardConfig
-    from services.reward_app import APP_NAME, ROUTE_PREFIX, build_reward_app
+    from services.reward_app import APP_NAME, ROUTE_PREFIX, deploy_reward_app
 
     apps = serve.status().applications
     if APP_NAME not in apps or apps[APP_NAME].status != "RUNNING":
-        serve.run(build_reward_app(RewardConfig()), name=APP_NAME, route_prefix=ROUTE_PREFIX)
+        deploy_reward_app(RewardConfig())
     return f"http://127.0.0.1:{serve_port}{ROUTE_PREFIX}"
