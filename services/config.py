@@ -12,7 +12,9 @@ from rollout.config import SamplerConfig, SchedulerConfig, StrictModel, UNetConf
 from trainer.config import LearnerConfig, ObjectiveConfig
 from trainer.pretrain import PretrainConfig
 
-CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+# the checkout's configs/ (editable install), else ./configs (a plain install run from the repo, as in the image)
+CONFIG_DIR = next((d for d in (Path(__file__).resolve().parent.parent / "configs", Path.cwd() / "configs")
+                   if d.is_dir()), Path("configs"))
 DEFAULT_CONFIG = CONFIG_DIR / "digits-grpo.yaml"
 
 
