@@ -36,8 +36,7 @@ class RolloutWorker:
     """Holds a policy copy; samples groups per class and scores them through the Serve ensemble."""
 
     def __init__(self, cfg: dict[str, Any], base_weights: dict[str, torch.Tensor], classes: list[int], index: int,
-                 run_dir: str,
-                 group_offset: int = 0):
+                 run_dir: str, group_offset: int = 0):
         self.cfg = TrainConfig.model_validate(cfg)
         _setup_process(self.cfg, Path(run_dir) / "logs" / f"rollout_{index}.log")
         self.index = index

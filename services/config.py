@@ -9,6 +9,7 @@ from pydantic import Field, ValidationError
 
 from reward.config import RewardConfig
 from rollout.config import SamplerConfig, SchedulerConfig, StrictModel, UNetConfig
+from rollout.digits import NUM_CLASSES
 from trainer.config import LearnerConfig, ObjectiveConfig
 from trainer.pretrain import PretrainConfig
 
@@ -33,7 +34,7 @@ class ServeConfig(StrictModel):
 class RayConfig(StrictModel):
     address: str | None = Field(None, description="None: $RAY_ADDRESS or a new local Ray")
     num_cpus: int | None = Field(None, ge=1, description="for a new local Ray; None = all cores")
-    rollout_workers: int = Field(1, ge=1, le=10, description="each samples its share of the 10 classes")
+    rollout_workers: int = Field(1, ge=1, le=NUM_CLASSES, description="each samples its share of the classes")
     actor_cpus: float = Field(0.5, gt=0)
     torch_threads: int | None = Field(None, ge=1, description="None = all cores (phases run one after another)")
 

@@ -24,6 +24,7 @@ from safetensors.torch import load_file
 
 from reward.config import build_reward_models, print_accuracies
 from rollout.cache import write_text_atomically
+from rollout.digits import NUM_CLASSES
 from services.actors import LearnerActor, RolloutWorker
 from services.config import TrainConfig, dump_config, load_config
 from services.report import MetricsWriter, read_metrics, save_curves, save_sample_grid
@@ -89,7 +90,7 @@ class Controller:
             base_weights = ray.put(load_file(str(self.base_model)))
             self.learner = LearnerActor.options(num_cpus=cfg.ray.actor_cpus).remote(
                 cfg_dict, base_weights, str(self.run_dir), free_port())
-            splits = np.array_split(np.arange(10), cfg.ray.rollout_workers)
+            splits = np.array_split(np.arange(NUM_CLASSES), cfg.ray.rollout_workers)
             self.workers = [
                 RolloutWorker.options(num_cpus=cfg.ray.actor_cpus).remote(
                     cfg_dict, base_weights, s.tolist(), i, str(self.run_dir), int(s[0]))
@@ -218,7 +219,8 @@ class Controller:
             interrupted = True
             ckpt = latest_checkpoint(self.run_dir)
             self.console.print(f"[yellow]interrupted after step {steps_done}; last checkpoint: "
-                               f"{ckpt if ckpt else 'none'} (resume with `steadyrl train --resume {self.run_dir}`)", soft_wrap=True)
+                               f"{ckpt if ckpt else 'none'} (resume with `steadyrl train --resume {self.run_dir}`)",
+                               soft_wrap=True)
         finally:
             if writer is not None:
                 writer.close()

@@ -8,12 +8,11 @@ import torch
 import torch.nn.functional as F
 from pydantic import Field
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
-from safetensors.torch import load_file
 
 from rollout.cache import build_dir_atomically, cache_root, config_key
 from rollout.config import SchedulerConfig, StrictModel, UNetConfig
 from rollout.digits import digit_splits, load_digits_tensors
-from rollout.models import build_scheduler, build_unet, save_weights, unet_from_weights
+from rollout.models import build_scheduler, build_unet, save_weights
 
 MODEL_FILE = "unet.safetensors"
 
@@ -84,6 +83,3 @@ def ensure_pretrained_unet(
 
     return build_dir_atomically(target, build) / MODEL_FILE
 
-
-def load_pretrained_unet(unet_cfg: UNetConfig, path: Path) -> torch.nn.Module:
-    return unet_from_weights(unet_cfg, load_file(str(path)))
