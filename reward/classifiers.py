@@ -35,6 +35,9 @@ class ClassifierSpec(StrictModel):
     epochs: int = Field(60, ge=1)
     lr: float = Field(3e-3, gt=0)
     augment: bool = False
+    output: Literal["probability", "log_odds"] = Field(
+        "probability", description="reward = p(requested digit), or its log-odds log p - log(1 - p): unbounded "
+        "above, so a policy can keep raising it long after the digit is recognisable (a hackable proxy)")
 
 
 def _net(arch: Arch) -> tuple[nn.Module, nn.Module]:
@@ -108,17 +111,30 @@ def train_classifier(spec: ClassifierSpec) -> tuple[DigitClassifier, float]:
 class DigitClassifierReward:
     """Reward = p_classifier(requested digit | sample); features = the penultimate layer."""
 
-    def __init__(self, name: str, model: DigitClassifier, accuracy: float | None = None):
+    def __init__(self, name: str, model: DigitClassifier, accuracy: float | None = None,
+                 output: str = "probability"):
         self.name = name
         self.model = model.eval()
         self.accuracy = accuracy
+        self.output = output
 
     @torch.no_grad()
     def probs(self, samples: Tensor) -> Tensor:
         return self.model(samples.float().clamp(-1, 1)).softmax(-1)
 
+    @torch.no_grad()
     def score(self, samples: Tensor, cond: Tensor) -> Tensor:
-        return self.probs(samples).gather(1, cond.long().view(-1, 1)).squeeze(1)
+        return self.differentiable_score(samples.float(), cond)
+
+    def differentiable_score(self, samples: Tensor, cond: Tensor) -> Tensor:
+        """The reward with gradients w.r.t. the samples (reward back-propagation):
+        p_y, or log-odds log p_y - log(1 - p_y) = logit_y - logsumexp_{k != y} logit_k."""
+        logits = self.model(samples.clamp(-1, 1).to(next(self.model.parameters()).dtype))
+        y = cond.long().view(-1, 1)
+        if self.output == "probability":
+            return logits.softmax(-1).gather(1, y).squeeze(1).to(samples.dtype)
+        others = logits.scatter(1, y, float("-inf")).logsumexp(-1)
+        return (logits.gather(1, y).squeeze(1) - others).to(samples.dtype)
 
     def correct(self, samples: Tensor, cond: Tensor) -> Tensor:
         """1.0 where the classifier's top class is the requested one."""
@@ -131,7 +147,8 @@ class DigitClassifierReward:
 
 def ensure_classifier(spec: ClassifierSpec) -> Path:
     """Cached folder with `model.safetensors` and `meta.json` (accuracy); trains it if missing."""
-    target = cache_root() / "classifiers" / f"{spec.name}-{config_key(spec.model_dump())}"
+    key = config_key(spec.model_dump(exclude={"output"}))  # the reward's output form does not change training
+    target = cache_root() / "classifiers" / f"{spec.name}-{key}"
 
     def build(tmp: Path) -> None:
         model, acc = train_classifier(spec)
@@ -146,4 +163,4 @@ def load_classifier(spec: ClassifierSpec) -> DigitClassifierReward:
     model = DigitClassifier(spec.arch)
     model.load_state_dict(load_file(str(folder / "model.safetensors")))
     acc = json.loads((folder / "meta.json").read_text())["test_accuracy"]
-    return DigitClassifierReward(spec.name, model, acc)
+    return DigitClassifierReward(spec.name, model, acc, spec.output)

@@ -1,11 +1,14 @@
 """Reward settings and the factory that builds the named reward models."""
 from __future__ import annotations
 
-from typing import Literal
+from typing import Callable, Literal
+
+import torch
 
 from pydantic import Field, model_validator
 from rich.console import Console
 from rich.table import Table
+from torch import Tensor
 
 from reward.base import RewardModel
 from reward.classifiers import ClassifierSpec, DigitClassifierReward, load_classifier
@@ -68,6 +71,24 @@ def build_reward_models(cfg: RewardConfig) -> tuple[list[RewardModel], list[Rewa
             raise RuntimeError(f"classifier {m.name!r} reached {m.accuracy:.3f} on held-out digits, "
                                f"below the required {need:.2f}")
     return members, [gold], cfg.feature_model
+
+
+def differentiable_train_reward(cfg: RewardConfig) -> Callable[[Tensor, Tensor], Tensor]:
+    """The training reward as a differentiable function (x_0, cond) -> [B], for reward back-propagation:
+    the `train_on` classifier's probability of the requested digit, or the mean over classifier members."""
+    names = [m.name for m in cfg.members] if cfg.train_on == "mean" else [cfg.train_on]
+    specs = [m for m in cfg.members if m.name in names]
+    if len(specs) != len(names):  # 'jpeg_compressibility' has no gradient
+        raise ValueError(f"reward.train_on={cfg.train_on!r}: reward back-propagation needs differentiable "
+                         f"(classifier) rewards, got {names}")
+    models = [load_classifier(spec) for spec in specs]
+    for m in models:
+        m.model.requires_grad_(False)
+
+    def reward(samples: Tensor, cond: Tensor) -> Tensor:
+        return torch.stack([m.differentiable_score(samples, cond) for m in models]).mean(dim=0)
+
+    return reward
 
 
 def accuracy_table(members: list[RewardModel], monitors: list[RewardModel]) -> Table:

@@ -28,3 +28,18 @@ def mean_pairwise_distance(features: Tensor, group: Tensor) -> float:
             continue
         vals.append(torch.cdist(f, f).sum().item() / (n * (n - 1)))
     return float(sum(vals) / len(vals)) if vals else 0.0
+
+
+def cosine_nearest_neighbour_distance(features: Tensor, group: Tensor) -> Tensor:
+    """d_i = min_{j != i, same group} (1 - cos(f_i, f_j)), cosines clipped to [-1, 1] ([B]; 0 for a
+    sample alone in its group). Features are L2-normalised first (GARDO's diversity)."""
+    f = torch.nn.functional.normalize(features.double(), dim=1)
+    out = torch.zeros(features.shape[0], dtype=torch.float64)
+    for g in group.unique():
+        idx = torch.nonzero(group == g).flatten()
+        if len(idx) < 2:
+            continue
+        d = 1 - (f[idx] @ f[idx].T).clamp(-1, 1)
+        d.fill_diagonal_(float("inf"))
+        out[idx] = d.min(dim=1).values
+    return out

@@ -14,6 +14,7 @@ import torch
 from torch import Tensor
 
 from reward.base import RewardModel, check_scores
+from rollout.batch import RolloutBatch
 
 
 @dataclass
@@ -104,3 +105,11 @@ def monitor_scores(monitors: Sequence[RewardModel], samples: Tensor, cond: Tenso
         if hasattr(m, "correct"):
             out[f"{m.name}_correct"] = m.correct(samples, cond)  # type: ignore[attr-defined]
     return out
+
+
+def attach_scores(batch: RolloutBatch, scores: EnsembleScores) -> RolloutBatch:
+    """The batch with its rewards (every member's column plus `mean`; `train_on` is the training
+    column), uncertainty and features filled in from the ensemble's scores."""
+    rewards = torch.cat([scores.scores, scores.mean[:, None]], dim=1)
+    return batch.replace(rewards=rewards, reward_names=scores.names + ["mean"], reward_key=scores.train_on,
+                         uncertainty=scores.uncertainty, features=scores.features)

@@ -24,6 +24,8 @@ class RolloutBatch:
     old_logp [B,T]: log pi_old(x_{t_prev} | x_t) per step (0 where the step is not stochastic).
     timesteps [T]: model timesteps per inference step.  trainable [T]: step is stochastic (sigma >= 1e-3).
     rewards [B,K] with reward_names [K]; the column named `reward_key` is the training reward.
+    extras: per-sample tensors ([B,...]: gates, masks, behaviour log-probs, policy version, ...) that
+    `index`, `split`, `concat` and `to` carry like the named fields, so none falls out of a micro-batch.
     """
 
     cond: Tensor
@@ -39,7 +41,15 @@ class RolloutBatch:
     advantages: Tensor | None = None
     uncertainty: Tensor | None = None
     features: Tensor | None = None
+    extras: dict[str, Tensor] = field(default_factory=dict)
     meta: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        for name, value in self.extras.items():
+            if not isinstance(value, Tensor) or value.dim() == 0 or value.shape[0] != self.cond.shape[0]:
+                shape = tuple(value.shape) if isinstance(value, Tensor) else type(value).__name__
+                raise ValueError(f"extras[{name!r}] must be a per-sample tensor with first dimension "
+                                 f"{self.cond.shape[0]}, got {shape}")
 
     def __len__(self) -> int:
         return int(self.cond.shape[0])
@@ -51,6 +61,10 @@ class RolloutBatch:
     def replace(self, **changes: Any) -> "RolloutBatch":
         return dataclasses.replace(self, **changes)
 
+    def with_extras(self, **extras: Tensor) -> "RolloutBatch":
+        """A copy with these per-sample extras added (or replaced)."""
+        return self.replace(extras={**self.extras, **extras})
+
     def index(self, idx: Tensor | slice | Sequence[int]) -> "RolloutBatch":
         """Select samples; shared fields are kept as they are."""
         if not isinstance(idx, (slice, Tensor)):
@@ -60,7 +74,7 @@ class RolloutBatch:
             for name in PER_SAMPLE_FIELDS
             if getattr(self, name) is not None
         }
-        return self.replace(**changes)
+        return self.replace(**changes, extras={k: v[idx] for k, v in self.extras.items()})
 
     def split(self, micro_batch_size: int) -> list["RolloutBatch"]:
         """Consecutive micro-batches of at most `micro_batch_size` samples."""
@@ -83,7 +97,8 @@ class RolloutBatch:
             return t.to(device=device, dtype=dtype if (dtype is not None and t.is_floating_point()) else None)
 
         names = PER_SAMPLE_FIELDS + ("timesteps", "trainable")
-        return self.replace(**{n: move(getattr(self, n)) for n in names})
+        return self.replace(**{n: move(getattr(self, n)) for n in names},
+                            extras={k: move(v) for k, v in self.extras.items()})
 
     @staticmethod
     def concat(batches: Sequence["RolloutBatch"]) -> "RolloutBatch":
@@ -102,4 +117,7 @@ class RolloutBatch:
             if any(p is None for p in parts):
                 raise ValueError(f"field {name!r} is set in some batches and not in others")
             changes[name] = torch.cat(parts)
-        return first.replace(**changes)
+        keys = set(first.extras)
+        if any(set(b.extras) != keys for b in batches[1:]):
+            raise ValueError(f"batches disagree on extras: {[sorted(b.extras) for b in batches]}")
+        return first.replace(**changes, extras={k: torch.cat([b.extras[k] for b in batches]) for k in sorted(keys)})

@@ -1,9 +1,9 @@
 """Settings of the generative model and its sampler (each default defined here, once)."""
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Any, ClassVar, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator
 
 
 class StrictModel(BaseModel):
@@ -40,11 +40,39 @@ class SchedulerConfig(StrictModel):
         "leading", description="leading (DDIM default); trailing starts at t=T-1, where eps-prediction is ill-posed")
 
 
-class SamplerConfig(StrictModel):
-    """DDIM sampling with eta > 0 so that every step but the last is a Gaussian policy."""
+class SamplerBase(StrictModel):
+    """Settings every sampler has; `kind` picks the sampler (and what the model predicts)."""
 
     num_steps: int = Field(10, ge=2, le=1000)
-    eta: float = Field(1.0, gt=0.0, le=1.0)
-    logp_reduce: Literal["mean", "sum"] = "mean"
+    logp_reduce: Literal["mean", "sum"] = Field(
+        "mean", description="log-prob reduction over pixels (DDPO: mean); clip ranges and KL scales are stated for it")
     samples_per_class: int = Field(16, ge=2, description="group size: samples per prompt (class)")
     min_std: float = Field(1e-3, gt=0.0, description="steps with a smaller std are deterministic, untrained")
+
+
+class DDIMSamplerConfig(SamplerBase):
+    """DDIM on an epsilon-prediction UNet, eta > 0 so that every step but the last is a Gaussian policy."""
+
+    kind: Literal["ddim"] = "ddim"
+    prediction: ClassVar[str] = "epsilon"
+    eta: float = Field(1.0, gt=0.0, le=1.0)
+
+
+class FlowSDESamplerConfig(SamplerBase):
+    """Flow-GRPO's SDE on a velocity-prediction (rectified-flow) UNet."""
+
+    kind: Literal["flow_sde"] = "flow_sde"
+    prediction: ClassVar[str] = "velocity"
+    noise_level: float = Field(0.7, gt=0.0, le=2.0, description="a in sigma_s = a * sqrt(s / (1 - s))")
+    shift: float = Field(1.0, gt=0.0, description="FlowMatchEulerDiscreteScheduler's timestep shift")
+
+
+def _sampler_kind(value: Any) -> str:
+    """`kind` of a sampler section; a section without one is DDIM (the presets written before flow)."""
+    return value.get("kind", "ddim") if isinstance(value, dict) else getattr(value, "kind", "ddim")
+
+
+SamplerConfig = Annotated[
+    Union[Annotated[DDIMSamplerConfig, Tag("ddim")], Annotated[FlowSDESamplerConfig, Tag("flow_sde")]],
+    Discriminator(_sampler_kind),
+]

@@ -10,12 +10,14 @@ import ray
 import torch
 from ray import serve
 
+from reward.config import differentiable_train_reward
 from reward.diversity import nearest_neighbour_distance
+from reward.ensemble import attach_scores
 from reward.evaluation import class_grid, eval_summary
 from rollout.batch import RolloutBatch
-from rollout.ddim import DDIMLogProbSampler
 from rollout.digits import IMAGE_SHAPE, NUM_CLASSES
-from rollout.models import build_scheduler, unet_from_weights
+from rollout.models import unet_from_weights
+from rollout.samplers import build_sampler
 from services.config import TrainConfig
 from services.reward_app import APP_NAME
 from services.runtime import redirect_output
@@ -43,17 +45,12 @@ class RolloutWorker:
         self.class_ids = torch.tensor(classes, dtype=torch.long)
         self.group_offset = group_offset
         self.policy = unet_from_weights(self.cfg.model, base_weights)
-        self.sampler = DDIMLogProbSampler(self.cfg.sampler, build_scheduler(self.cfg.scheduler))
+        self.sampler = build_sampler(self.cfg.sampler, self.cfg.scheduler)
         self.reward = serve.get_app_handle(APP_NAME)
 
     def _score(self, batch: RolloutBatch) -> tuple[RolloutBatch, Any]:
         scores = self.reward.score_tensors.remote(batch.samples, batch.cond, batch.group).result()
-        rewards = torch.cat([scores.scores, scores.mean[:, None]], dim=1)
-        batch = batch.replace(
-            rewards=rewards, reward_names=scores.names + ["mean"], reward_key=scores.train_on,
-            uncertainty=scores.uncertainty, features=scores.features,
-        )
-        return batch, scores
+        return attach_scores(batch, scores), scores
 
     @ray.method(num_returns=2)
     def generate(self, step: int) -> tuple[RolloutBatch, dict[str, float]]:
@@ -110,11 +107,14 @@ class LearnerActor:
         os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
                           MASTER_ADDR="127.0.0.1", MASTER_PORT=str(master_port))
         from trainer.learner import DeepSpeedLearner
+        from trainer.objectives import objective_class
 
         torch.manual_seed(self.cfg.run.seed)
         policy = unet_from_weights(self.cfg.model, base_weights).train()
-        sampler = DDIMLogProbSampler(self.cfg.sampler, build_scheduler(self.cfg.scheduler))
-        self.learner = DeepSpeedLearner(policy, sampler, self.cfg.objective, self.cfg.learner, seed=self.cfg.run.seed)
+        sampler = build_sampler(self.cfg.sampler, self.cfg.scheduler)
+        self.learner = DeepSpeedLearner(policy, sampler, self.cfg.objective, self.cfg.learner, seed=self.cfg.run.seed,
+                                        reward_fn=differentiable_train_reward(self.cfg.reward)
+                                        if objective_class(self.cfg.objective.name).mode == "reward_backprop" else None)
 
     def ready(self) -> bool:
         return True

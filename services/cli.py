@@ -73,7 +73,7 @@ def pretrain(args: list[str] = typer.Argument(None, help="[CONFIG] key.sub=value
     from trainer.pretrain import ensure_pretrained_unet
 
     _, _, cfg = _load(args or [])
-    path = ensure_pretrained_unet(cfg.model, cfg.scheduler, cfg.pretrain)
+    path = ensure_pretrained_unet(cfg.model, cfg.scheduler, cfg.pretrain, prediction=cfg.sampler.prediction)
     console.print(f"diffusion model: {path}")
     members, monitors, _ = build_reward_models(cfg.reward)
     print_accuracies(members, monitors, console)

@@ -8,9 +8,10 @@ import yaml
 from pydantic import Field, ValidationError
 
 from reward.config import RewardConfig
-from rollout.config import SamplerConfig, SchedulerConfig, StrictModel, UNetConfig
+from rollout.config import DDIMSamplerConfig, SamplerConfig, SchedulerConfig, StrictModel, UNetConfig
 from rollout.digits import NUM_CLASSES
 from trainer.config import LearnerConfig, ObjectiveConfig
+from trainer.objectives.grpo import GRPOSettings
 from trainer.pretrain import PretrainConfig
 
 # the checkout's configs/ (editable install), else ./configs (a plain install run from the repo, as in the image)
@@ -58,9 +59,9 @@ class TrainConfig(StrictModel):
     model: UNetConfig = Field(default_factory=UNetConfig)
     scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)
     pretrain: PretrainConfig = Field(default_factory=PretrainConfig)
-    sampler: SamplerConfig = Field(default_factory=SamplerConfig)
+    sampler: SamplerConfig = Field(default_factory=DDIMSamplerConfig)
     reward: RewardConfig = Field(default_factory=RewardConfig)
-    objective: ObjectiveConfig = Field(default_factory=ObjectiveConfig)
+    objective: ObjectiveConfig = Field(default_factory=GRPOSettings)
     learner: LearnerConfig = Field(default_factory=LearnerConfig)
     serve: ServeConfig = Field(default_factory=ServeConfig)
     ray: RayConfig = Field(default_factory=RayConfig)
@@ -92,28 +93,79 @@ def parse_override(text: str) -> tuple[str, Any]:
     return key, value
 
 
+def _where(loc: tuple[Any, ...]) -> str:
+    """Dotted field path; the tag pydantic puts after a discriminated section (`objective.grpo.x`)
+    becomes a note (`objective.x (objective 'grpo')`)."""
+    parts = [str(p) for p in loc]
+    if len(parts) >= 3 and parts[0] in TAGGED_SECTIONS:
+        return ".".join([parts[0]] + parts[2:]) + f" ({parts[0]} {parts[1]!r})"
+    return ".".join(parts) or "(root)"
+
+
+TAGGED_SECTIONS = ("objective", "sampler")
+
+
 def format_validation_error(err: ValidationError) -> str:
     lines = []
     for e in err.errors():
-        where = ".".join(str(p) for p in e["loc"]) or "(root)"
+        where = _where(e["loc"])
         lines.append(f"  {where}: {e['msg']}" + (f" (got {e['input']!r})" if e["type"] != "extra_forbidden" and
                                                   not isinstance(e.get("input"), dict) else ""))
     return "invalid config:\n" + "\n".join(lines)
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> TrainConfig:
-    """Load a YAML preset (default: configs/digits-grpo.yaml), apply overrides, validate."""
-    path = Path(path) if path is not None else DEFAULT_CONFIG
+# Sections whose first key picks a model with its own settings: switching it starts the section afresh
+# (a GRPO preset's eps_clip must not leak into an objective without one).
+SWITCHES = {"objective": ("name", "grpo"), "sampler": ("kind", "ddim")}
+
+
+def _switched(section: str, old: dict[str, Any], new: dict[str, Any]) -> bool:
+    key, default = SWITCHES.get(section, (None, None))
+    return key is not None and key in new and new[key] != old.get(key, default)
+
+
+def merge_trees(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    """`over` on top of `base`, section by section; a switched objective/sampler section replaces the base's."""
+    out = dict(base)
+    for k, v in over.items():
+        if isinstance(v, dict) and isinstance(out.get(k), dict) and not _switched(k, out[k], v):
+            out[k] = merge_trees(out[k], v)
+        else:
+            out[k] = v
+    return out
+
+
+def read_tree(path: Path, seen: tuple[Path, ...] = ()) -> dict[str, Any]:
+    """A preset's mapping; `base: other.yaml` (relative to the preset) is read first and merged under it."""
     if not path.exists():
         raise ConfigError(f"config file {str(path)!r} does not exist")
+    if path.resolve() in seen:
+        raise ConfigError(f"config file {str(path)!r} includes itself through `base:`")
     try:
         tree = yaml.safe_load(path.read_text()) or {}
     except yaml.YAMLError as err:
         raise ConfigError(f"config file {str(path)!r} is not valid YAML: {err}") from err
     if not isinstance(tree, dict):
         raise ConfigError(f"config file {str(path)!r} must hold a mapping at top level")
-    for text in overrides:
-        key, value = parse_override(text)
+    base = tree.pop("base", None)
+    if base is None:
+        return tree
+    return merge_trees(read_tree(path.parent / str(base), (*seen, path.resolve())), tree)
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> TrainConfig:
+    """Load a YAML preset (default: configs/digits-grpo.yaml), apply overrides, validate.
+
+    Overrides that switch `objective.name` or `sampler.kind` apply first and reset that section, so
+    `objective.name=gardo.paper objective.kl_coef=0.01` gives GARDO's defaults plus that one change."""
+    tree = read_tree(Path(path) if path is not None else DEFAULT_CONFIG)
+    parsed = [parse_override(text) for text in overrides]
+    switches = {f"{section}.{key}" for section, (key, _) in SWITCHES.items()}
+    for key, value in sorted(parsed, key=lambda kv: kv[0] not in switches):  # stable: switches first
+        section = key.split(".")[0]
+        if key in switches and isinstance(tree.get(section), dict) and _switched(section, tree[section],
+                                                                                 {key.split(".")[1]: value}):
+            tree[section] = {}
         _set(tree, key, value)
     try:
         return TrainConfig.model_validate(tree)

@@ -76,7 +76,8 @@ class Controller:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         if not self.resume:
             write_text_atomically(self.run_dir / "config.yaml", dump_config(cfg))
-        self.base_model = ensure_pretrained_unet(cfg.model, cfg.scheduler, cfg.pretrain, progress=cfg.run.progress)
+        self.base_model = ensure_pretrained_unet(cfg.model, cfg.scheduler, cfg.pretrain, progress=cfg.run.progress,
+                                                 prediction=cfg.sampler.prediction)
         with self.console.status("reward classifiers (trained and cached on first use)"):
             members, monitors, _ = build_reward_models(cfg.reward)
         if cfg.run.progress:

@@ -11,9 +11,9 @@ from safetensors.torch import load_file
 from reward.config import build_reward_models
 from reward.ensemble import RewardEnsemble
 from reward.evaluation import class_grid, eval_summary
-from rollout.ddim import DDIMLogProbSampler
 from rollout.digits import IMAGE_SHAPE, NUM_CLASSES
-from rollout.models import build_scheduler, unet_from_weights
+from rollout.models import unet_from_weights
+from rollout.samplers import build_sampler
 from services.config import load_config
 from services.controller import CHECKPOINTS, latest_checkpoint
 from services.report import save_sample_grid
@@ -32,7 +32,7 @@ def evaluate_checkpoint(run_dir: Path, step: int | None = None, n_per_class: int
         raise FileNotFoundError(f"no checkpoint {'latest' if step is None else f'step_{step}'} in {run_dir}")
     n = n_per_class or cfg.run.eval_samples_per_class
     policy = unet_from_weights(cfg.model, load_file(str(ckpt / "policy.safetensors")))
-    sampler = DDIMLogProbSampler(cfg.sampler, build_scheduler(cfg.scheduler))
+    sampler = build_sampler(cfg.sampler, cfg.scheduler)
     gen = torch.Generator().manual_seed(cfg.run.eval_seed if seed is None else seed)
     batch = sampler.sample(policy, torch.arange(NUM_CLASSES), n, gen, sample_shape=IMAGE_SHAPE)
     members, monitors, feature_name = build_reward_models(cfg.reward)

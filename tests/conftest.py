@@ -14,6 +14,19 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 
+@pytest.fixture(scope="session", autouse=True)
+def one_torch_thread():
+    """The test process's own torch work (tiny models) runs on one thread: with Ray actors busy on the
+    other core, two OpenMP threads per process oversubscribe a 2-core machine and run ~20x slower.
+    Actors set their own thread count (`ray.torch_threads`)."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="session")
 def ray_cluster():
     import ray

@@ -23,6 +23,27 @@ def smoke_run(ray_cluster, serve_port, tmp_path_factory):
     return result
 
 
+@pytest.fixture(scope="module")
+def flow_run(ray_cluster, serve_port, tmp_path_factory):
+    """The rectified-flow preset, cut to the smoke budget."""
+    run_dir = tmp_path_factory.mktemp("flow") / "run"
+    result = train(CONFIG_DIR / "digits-flow-grpo.yaml",
+                   [f"run.run_dir={run_dir}", "run.steps=30", "run.eval_every=30", "run.checkpoint_every=30",
+                    "run.eval_samples_per_class=30", "run.progress=false", "serve.port=0"])
+    assert not result.interrupted and result.steps_done == 30
+    return result
+
+
+def test_rectified_flow_preset_learns_through_the_same_services(flow_run):
+    rows = read_metrics(flow_run.run_dir)
+    first = rows[0]["reward/train_mean"]
+    last5 = sum(r["reward/train_mean"] for r in rows[-5:]) / 5
+    assert last5 >= first + 0.05, (first, last5)
+    base, final = flow_run.base_eval, flow_run.final_eval
+    assert final["gold_accuracy"] >= base["gold_accuracy"] + 0.05, (base["gold_accuracy"], final["gold_accuracy"])
+    assert max(r["policy/rollout_logp_absdiff_max"] for r in rows) < 1e-3
+
+
 def test_rl_improves_proxy_reward_and_gold_accuracy(smoke_run):
     rows = read_metrics(smoke_run.run_dir)
     first = rows[0]["reward/train_mean"]  # the batch sampled by the base model at step 0

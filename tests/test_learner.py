@@ -6,11 +6,12 @@ import os
 import pytest
 import torch
 
-from rollout.config import SamplerConfig, SchedulerConfig, UNetConfig
+from rollout.config import DDIMSamplerConfig, SchedulerConfig, UNetConfig
 from rollout.ddim import DDIMLogProbSampler
 from rollout.models import build_scheduler, build_unet
 from services.runtime import free_port
-from trainer.config import LearnerConfig, ObjectiveConfig
+from trainer.config import LearnerConfig
+from trainer.objectives.grpo import GRPOSettings
 
 TINY = UNetConfig(block_out_channels=(8, 16), norm_num_groups=4)
 
@@ -24,8 +25,8 @@ def learner():
     from trainer.learner import DeepSpeedLearner
 
     torch.manual_seed(0)
-    sampler = DDIMLogProbSampler(SamplerConfig(num_steps=5), build_scheduler(SchedulerConfig()))
-    return DeepSpeedLearner(build_unet(TINY), sampler, ObjectiveConfig(eps_clip=0.2),
+    sampler = DDIMLogProbSampler(DDIMSamplerConfig(num_steps=5), build_scheduler(SchedulerConfig()))
+    return DeepSpeedLearner(build_unet(TINY), sampler, GRPOSettings(eps_clip=0.2),
                             LearnerConfig(lr=1e-3, micro_batch_size=8, inner_epochs=1), seed=0)
 
 

@@ -6,10 +6,9 @@ import torch
 
 from rollout.batch import RolloutBatch
 from trainer.advantages import group_advantages
-from trainer.config import ObjectiveConfig
 from trainer.kl import gaussian_kl_same_std
-from trainer.objectives import StepInputs, available, get_objective
-from trainer.objectives.grpo import ppo_clip_loss
+from trainer.objectives import StepInputs, available, build_objective, objective_class
+from trainer.objectives.grpo import GRPOSettings, ppo_clip_loss
 
 
 def test_group_advantages_use_population_std_within_groups():
@@ -36,12 +35,12 @@ def test_ppo_clip_blocks_gradient_beyond_the_clip_range_only_in_the_improving_di
 
 
 def test_grpo_loss_at_ratio_one_is_minus_mean_advantage_and_kl_adds_linearly():
-    obj = get_objective("grpo")
+    obj = build_objective(GRPOSettings(eps_clip=0.1, kl_coef=0.5))
     lp = torch.tensor([-1.0, -2.0, -3.0], requires_grad=True)
     adv = torch.tensor([1.0, -0.5, 2.0])
-    cfg = ObjectiveConfig(eps_clip=0.1, kl_coef=0.5)
-    loss, m = obj.loss(StepInputs(new_logp=lp, old_logp=lp.detach(), advantages=adv,
-                                  kl_ref=torch.tensor([0.2, 0.4, 0.0])), cfg, {})
+    loss, m = obj.loss(StepInputs(new_logp=lp, old_logp=lp.detach(), advantages=adv, step=torch.zeros(3, dtype=torch.long),
+                                  std=torch.ones(3), dt=torch.ones(3), n_terms=3,
+                                  kl_ref=torch.tensor([0.2, 0.4, 0.0])), {})
     assert loss.item() == pytest.approx(-adv.mean().item() + 0.5 * 0.2)
     loss.backward()
     assert torch.allclose(lp.grad, -adv / 3)  # d/dlogp of -A*exp(lp - lp_old) at ratio 1
@@ -54,14 +53,14 @@ def test_advantages_come_from_the_named_training_reward_column():
                          timesteps=torch.tensor([1]), trainable=torch.tensor([True]),
                          rewards=torch.tensor([[0.0, 1.0], [0.0, 3.0], [5.0, 0.0], [7.0, 0.0]]),
                          reward_names=["a", "b"], reward_key="b")
-    adv = get_objective("grpo").advantages(batch, ObjectiveConfig(), {})
+    adv = build_objective(GRPOSettings()).advantages(batch)
     assert adv[0] < 0 < adv[1] and adv[2] == 0 and adv[3] == 0
 
 
 def test_unknown_objective_names_the_choices():
     assert "grpo" in available()
     with pytest.raises(ValueError, match="objective.name='nope'.*grpo"):
-        get_objective("nope")
+        objective_class("nope")
 
 
 def test_analytic_gaussian_kl_matches_torch_distributions():
@@ -91,12 +90,12 @@ def test_batch_split_index_concat_round_trip():
 
 
 def test_group_offset_keeps_groups_of_joined_worker_batches_apart():
-    from rollout.config import SamplerConfig, SchedulerConfig, UNetConfig
+    from rollout.config import DDIMSamplerConfig, SchedulerConfig, UNetConfig
     from rollout.ddim import DDIMLogProbSampler
     from rollout.models import build_scheduler, build_unet
 
     model = build_unet(UNetConfig(block_out_channels=(8, 16), norm_num_groups=4))
-    sampler = DDIMLogProbSampler(SamplerConfig(num_steps=3), build_scheduler(SchedulerConfig()))
+    sampler = DDIMLogProbSampler(DDIMSamplerConfig(num_steps=3), build_scheduler(SchedulerConfig()))
     g = torch.Generator().manual_seed(0)
     a = sampler.sample(model, torch.tensor([0, 1]), 2, g, group_offset=0)
     b = sampler.sample(model, torch.tensor([2, 3]), 2, g, group_offset=2)

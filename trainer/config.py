@@ -1,30 +1,24 @@
-"""Objective and learner settings (each default defined here, once)."""
+"""Objective and learner settings (each default defined here or in the objective's own file, once)."""
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Any, Literal, Union
 
-from pydantic import Field
+from pydantic import Discriminator, Field, Tag, model_validator
 
 from rollout.config import StrictModel
+from trainer.objectives import settings_types
 
 
-class ObjectiveConfig(StrictModel):
-    """`eps_std` (advantage normalisation) and `eps_clip` (ratio clipping) are separate on purpose.
+def _objective_name(value: Any) -> str:
+    """`name` of an objective section; a section without one is GRPO."""
+    return value.get("name", "grpo") if isinstance(value, dict) else getattr(value, "name", "grpo")
 
-    Clip ranges and KL scales are stated for the sampler's `logp_reduce` (default: mean over pixels).
-    """
 
-    name: str = "grpo"
-    eps_std: float = Field(1e-4, gt=0, description="A = (r - mean_g r) / (std_g r + eps_std)")
-    eps_clip: float = Field(1e-4, gt=0, lt=1, description="PPO clip range for the per-step ratio")
-    adv_clip: float = Field(5.0, gt=0, description="advantages clipped to [-adv_clip, adv_clip]")
-    kl_coef: float = Field(0.0, ge=0, description="weight of the analytic Gaussian KL to the reference")
-    timestep_fraction: float = Field(0.5, gt=0, le=1, description="share of trained steps drawn per sample")
-    train_min_std: float = Field(
-        0.0, ge=0,
-        description="train only steps whose std is at least this (0: every stochastic step, as DDPO). The "
-        "per-step score (x_prev - mu)/sigma^2 scales as 1/sigma, so a near-deterministic step (sigma ~ 0.006 "
-        "for the digits schedule) swamps the gradient; the presets set 0.05.")
+# A discriminated union on `name`: each objective validates only its own keys.
+ObjectiveConfig = Annotated[
+    Union[tuple(Annotated[settings, Tag(name)] for name, settings in settings_types().items())],  # type: ignore[valid-type]
+    Discriminator(_objective_name),
+]
 
 
 class LearnerConfig(StrictModel):
@@ -36,6 +30,20 @@ class LearnerConfig(StrictModel):
     grad_clip: float = Field(1.0, gt=0)
     zero_stage: int = Field(0, ge=0, le=3)
     inner_epochs: int = Field(2, ge=1)
-    micro_batch_size: int = Field(32, ge=1)
+    micro_batch_size: int = Field(32, ge=1, description="samples per forward/backward (memory)")
+    optim_batch_size: int | None = Field(
+        None, ge=1, description="samples per optimiser step (the optimisation batch; a multiple of "
+        "micro_batch_size); None = micro_batch_size. Whole-step normalisers run over this batch.")
     backend: Literal["gloo", "nccl"] = "gloo"
     logp_alarm: float = Field(1e-3, gt=0, description="warn when |recomputed - rollout old logp| exceeds this")
+
+    @model_validator(mode="after")
+    def _multiple(self) -> "LearnerConfig":
+        if self.optim_batch_size is not None and self.optim_batch_size % self.micro_batch_size:
+            raise ValueError(f"optim_batch_size={self.optim_batch_size} must be a multiple of "
+                             f"micro_batch_size={self.micro_batch_size}")
+        return self
+
+    @property
+    def micro_per_optim_step(self) -> int:
+        return (self.optim_batch_size or self.micro_batch_size) // self.micro_batch_size

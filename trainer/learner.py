@@ -1,43 +1,51 @@
 """The DeepSpeed learner: recompute old log-probs, apply the objective, step the optimiser.
 
 One `update(batch)`:
- 1. advantages from the objective (group-relative for GRPO);
- 2. a fixed shuffle into micro-batches; a no-grad pre-pass recomputes old_logp at every trained
-    step (stochastic and std >= objective.train_min_std) with the update's own micro-batching
+ 1. `objective.prepare_batch` on the whole batch (advantages, gates, per-sample weights);
+ 2. a fixed shuffle into micro-batches; a no-grad pre-pass recomputes old_logp (and, where the
+    objective asks, the old step means) at every trained step with the update's own micro-batching
     (float32 numerics depend on batch shape and threads) and logs the gap to the rollout's values
     (`policy/rollout_logp_absdiff_max`);
- 3. `inner_epochs` passes; in each, every sample trains on a random `timestep_fraction` of the
-    trained steps; gradients accumulate over those steps (DeepSpeed GAS) and the optimiser steps
-    once per micro-batch.
+ 3. `inner_epochs` passes over optimisation steps of `optim_batch_size` samples (several
+    micro-batches). Each sample trains on a random `timestep_fraction` of the trained steps; per
+    optimisation step the objective may run a no-grad `prepare` over all its terms (whole-step
+    normalisers), then every (micro-batch, step) piece is back-propagated and the optimiser steps once;
+ 4. `objective.after_update` (reference reset / EMA through `reset_reference` / `ema_reference`).
+
+Reward back-propagation objectives (DRaFT-K, GRPO-Guard's seed form) instead re-run the last K
+sampling steps with gradients and the recorded noise, and back-propagate a differentiable reward.
 """
 from __future__ import annotations
 
 import copy
-import json
 import logging
 import math
 from collections import defaultdict
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
 from rollout.batch import RolloutBatch
-from rollout.ddim import DDIMLogProbSampler
-from trainer.config import LearnerConfig, ObjectiveConfig
-from trainer.kl import gaussian_kl_same_std
-from trainer.objectives import StepInputs, get_objective
+from rollout.sampler import GaussianStepSampler
+from trainer.config import LearnerConfig
+from trainer.objectives import (ObjectiveSettings, PolicyGradientObjective, PreparePiece, RewardBackpropObjective,
+                                StepInputs, build_objective)
 
 log = logging.getLogger(__name__)
 
+DifferentiableReward = Callable[[Tensor, Tensor], Tensor]  # (x_0 [B,...] with grad, cond [B]) -> [B]
 
-def deepspeed_config(cfg: LearnerConfig, grad_accum: int) -> dict[str, Any]:
-    """DeepSpeed JSON config; `torch_adam` avoids compiling the fused Adam op."""
+
+def deepspeed_config(cfg: LearnerConfig) -> dict[str, Any]:
+    """DeepSpeed JSON config; `torch_adam` avoids compiling the fused Adam op. The learner marks the
+    gradient-accumulation boundary itself (last piece of each optimisation step)."""
     return {
         "train_micro_batch_size_per_gpu": cfg.micro_batch_size,
-        "gradient_accumulation_steps": grad_accum,
+        "gradient_accumulation_steps": cfg.micro_per_optim_step,
         "gradient_clipping": cfg.grad_clip,
         "optimizer": {
             "type": "AdamW",
@@ -50,55 +58,114 @@ def deepspeed_config(cfg: LearnerConfig, grad_accum: int) -> dict[str, Any]:
     }
 
 
+@dataclass
+class OldPolicy:
+    """The old policy on one micro-batch, recomputed without grad at the start of an update."""
+
+    logp: Tensor  # [b,T] (0 at untrained steps)
+    mean: Tensor | None = None  # [b,T,...] where the objective needs old means
+    noise: list[Tensor] | None = None  # recorded noise of the last K steps (reward back-propagation)
+
+
+class MetricSums:
+    """Averages per-piece metrics over an update; keys ending in `_max` keep the maximum."""
+
+    def __init__(self) -> None:
+        self.sums: dict[str, float] = defaultdict(float)
+        self.counts: dict[str, int] = defaultdict(int)
+
+    def add(self, metrics: dict[str, Tensor | float]) -> None:
+        for k, v in metrics.items():
+            v = float(v)
+            self.sums[k] = max(self.sums.get(k, -math.inf), v) if k.endswith("_max") else self.sums[k] + v
+            self.counts[k] += 1
+
+    def result(self) -> dict[str, float]:
+        return {k: (v if k.endswith("_max") else v / self.counts[k]) for k, v in self.sums.items()}
+
+
 class DeepSpeedLearner:
-    """Holds the policy engine, a frozen reference copy, the objective and its state."""
+    """Holds the policy engine, the reference policy, the objective and its state."""
 
     def __init__(
         self,
         policy: nn.Module,
-        sampler: DDIMLogProbSampler,
-        objective_cfg: ObjectiveConfig,
+        sampler: GaussianStepSampler,
+        objective_cfg: ObjectiveSettings,
         learner_cfg: LearnerConfig,
         seed: int = 0,
+        reward_fn: DifferentiableReward | None = None,
     ):
         import deepspeed
 
         self.sampler = sampler
-        self.obj_cfg = objective_cfg
         self.cfg = learner_cfg
-        self.objective = get_objective(objective_cfg.name)
-        self.train_steps = torch.nonzero(sampler.trainable & (sampler.std >= objective_cfg.train_min_std)).flatten()
-        if len(self.train_steps) == 0:
-            raise ValueError(f"objective.train_min_std={objective_cfg.train_min_std} leaves no step to train "
-                             f"(step stds: {[round(float(s), 4) for s in sampler.std]})")
-        self.steps_per_sample = max(1, round(objective_cfg.timestep_fraction * len(self.train_steps)))
+        self.objective = build_objective(objective_cfg)
+        self.reward_fn = reward_fn
+        self.train_steps = sampler.train_steps(objective_cfg.train_min_std)
+        if isinstance(self.objective, RewardBackpropObjective):
+            if reward_fn is None:
+                raise ValueError(f"objective {objective_cfg.name!r} back-propagates a reward: the learner needs "
+                                 "a differentiable reward_fn")
+            k = self.objective.cfg.backprop_steps
+            if not 1 <= k <= len(sampler.timesteps):
+                raise ValueError(f"objective.backprop_steps={k} must be in [1, {len(sampler.timesteps)}]")
+            self.steps_per_sample = 1
+        else:
+            self.steps_per_sample = max(1, round(self.objective.cfg.timestep_fraction * len(self.train_steps)))
         self.reference = copy.deepcopy(policy).eval().requires_grad_(False)
         if not torch.distributed.is_initialized():
             deepspeed.init_distributed(dist_backend=learner_cfg.backend)
         self.engine, _, _, _ = deepspeed.initialize(
             model=policy,
             model_parameters=[p for p in policy.parameters() if p.requires_grad],
-            config=deepspeed_config(learner_cfg, self.steps_per_sample),
+            config=deepspeed_config(learner_cfg),
         )
         self.generator = torch.Generator().manual_seed(seed)
-        self.state: dict[str, Any] = {"updates": 0}
+        self.updates = 0
+        self._pre_clip_norm: float | None = None
 
     @property
     def policy(self) -> nn.Module:
         return self.engine.module
 
+    # ------------------------------------------------------------------ reference (LearnerHooks)
     @torch.no_grad()
-    def _recompute_old_logp(self, micro: list[RolloutBatch]) -> tuple[list[Tensor], dict[str, float]]:
-        """Old log-probs at every trained step, micro-batched as the update is; plus KL monitor."""
+    def reset_reference(self) -> None:
+        """Hard-copy the current policy into the reference."""
+        self.reference.load_state_dict(self.policy.state_dict())
+
+    @torch.no_grad()
+    def ema_reference(self, decay: float) -> None:
+        """ref <- decay * ref + (1 - decay) * policy (floating-point tensors)."""
+        current = self.policy.state_dict()
+        for k, v in self.reference.state_dict().items():
+            if v.is_floating_point():
+                v.mul_(decay).add_(current[k].to(v.dtype), alpha=1 - decay)
+
+    # ------------------------------------------------------------------ the update
+    @torch.no_grad()
+    def _recompute_old(self, micro: list[RolloutBatch]) -> tuple[list[OldPolicy], dict[str, float]]:
+        """Old log-probs at every trained step, micro-batched as the update is; plus the KL monitor."""
         steps = self.train_steps
+        keep_mean = self.objective.needs_old_mean
         out, diffs, kls = [], [], []
         for mb in micro:
             lp = torch.zeros_like(mb.old_logp)
+            mean = torch.zeros_like(mb.traj[:, 1:]) if keep_mean else None
             for s in steps.tolist():
-                lp[:, s] = self.sampler.log_prob(self.engine, mb, s)
+                step = self.sampler.log_prob(self.engine, mb, s)
+                lp[:, s] = step.logp
+                if mean is not None:
+                    mean[:, s] = step.mean
+            old = OldPolicy(lp, mean)
+            if isinstance(self.objective, RewardBackpropObjective):
+                first = len(self.sampler.timesteps) - self.objective.cfg.backprop_steps
+                old.noise = [self.sampler.recorded_noise(self.engine, mb, k)
+                             for k in range(first, len(self.sampler.timesteps))]
             diffs.append((lp[:, steps] - mb.old_logp[:, steps]).abs().max())
-            out.append(lp)
-            # KL(pi_theta || pi_ref) monitor: one random stochastic step per sample
+            out.append(old)
+            # KL(pi_theta || pi_ref) monitor: one random trained step per sample
             s = steps[torch.randint(len(steps), (len(mb),), generator=self.generator)]
             kls.append(self._kl_to_reference(mb, s))
         absdiff = float(torch.stack(diffs).max())
@@ -109,14 +176,13 @@ class DeepSpeedLearner:
                      "policy/rollout_logp_alarm": float(absdiff > self.cfg.logp_alarm),
                      "policy/kl_ref_monitor": float(torch.cat(kls).mean())}
 
-    def _kl_to_reference(self, mb: RolloutBatch, step: Tensor, mean: Tensor | None = None,
-                         std: Tensor | None = None) -> Tensor:
-        """Analytic per-sample KL of the policy step to the reference step (grad flows through `mean`)."""
-        if mean is None or std is None:
-            _, mean, std = self.sampler.log_prob(self.engine, mb, step, return_mean=True)
+    def _kl_to_reference(self, mb: RolloutBatch, step: Tensor, mean: Tensor | None = None) -> Tensor:
+        """Per-sample KL of the policy step to the reference step (grad flows through `mean`)."""
+        if mean is None:
+            mean = self.sampler.distribution(self.engine, mb, step).mean
         with torch.no_grad():
-            ref_mean, _ = self.sampler.step_mean(self.reference, mb.traj[torch.arange(len(mb)), step], step, mb.cond)
-        return gaussian_kl_same_std(mean, ref_mean, std, self.sampler.cfg.logp_reduce)
+            ref = self.sampler.distribution(self.reference, mb, step)
+        return self.sampler.kl(mean, ref.mean, ref.std)
 
     def update(self, batch: RolloutBatch) -> dict[str, float]:
         """One RL update over the whole batch; returns scalar metrics."""
@@ -127,55 +193,116 @@ class DeepSpeedLearner:
             batch = batch.index(torch.nonzero(finite).flatten())
         if len(batch) == 0:
             raise ValueError("no sample in the batch has a finite reward")
-        adv = self.objective.advantages(batch, self.obj_cfg, self.state)
-        batch = batch.replace(advantages=adv)
+        batch, metrics = self.objective.prepare_batch(batch)
         perm = torch.randperm(len(batch), generator=self.generator)
         micro = batch.index(perm).split(self.cfg.micro_batch_size)
-        old_logps, metrics = self._recompute_old_logp(micro)
-        sums: dict[str, float] = defaultdict(float)
-        count = opt_steps = 0
-        grad_norms = []
-        steps = self.train_steps
+        olds, recompute_metrics = self._recompute_old(micro)
+        metrics.update(recompute_metrics)
+        k = self.cfg.micro_per_optim_step
+        groups = [list(range(i, min(i + k, len(micro)))) for i in range(0, len(micro), k)]
+        sums = MetricSums()
+        grad_norms: list[float] = []
         self.engine.train()
         for _ in range(self.cfg.inner_epochs):
-            for mb, old_lp in zip(micro, old_logps):
-                rows = torch.arange(len(mb))
-                chosen = torch.stack([steps[torch.randperm(len(steps), generator=self.generator)]
-                                      [: self.steps_per_sample] for _ in rows])
-                for j in range(self.steps_per_sample):
-                    s = chosen[:, j]
-                    new_lp, mean, std = self.sampler.log_prob(self.engine, mb, s, return_mean=True)
-                    kl = self._kl_to_reference(mb, s, mean, std) if self.obj_cfg.kl_coef > 0 else None
-                    inputs = StepInputs(new_logp=new_lp, old_logp=old_lp[rows, s], advantages=mb.advantages, kl_ref=kl)
-                    loss, m = self.objective.loss(inputs, self.obj_cfg, self.state)
-                    self.engine.backward(loss)
-                    if j == self.steps_per_sample - 1:
-                        pre_clip_norm = self._grad_norm()
-                    self.engine.step()
-                    for k, v in m.items():  # "*_max" metrics aggregate by max, the rest by mean
-                        sums[k] = max(sums.get(k, -math.inf), float(v)) if k.endswith("_max") else sums[k] + float(v)
-                    count += 1
-                opt_steps += 1  # one optimiser step per micro-batch (GAS = steps_per_sample)
-                gn = self.engine.get_global_grad_norm()  # set by ZeRO optimisers; None for stage 0
-                gn = pre_clip_norm if gn is None else float(gn)
-                if gn is not None and math.isfinite(gn):
-                    grad_norms.append(gn)
-        self.state["updates"] += 1
-        metrics.update({k: (v if k.endswith("_max") else v / count) for k, v in sums.items()})
+            for group in groups:
+                if isinstance(self.objective, RewardBackpropObjective):
+                    self._reward_backprop_step([micro[i] for i in group], [olds[i] for i in group], sums)
+                else:
+                    self._policy_gradient_step([micro[i] for i in group], [olds[i] for i in group], sums)
+                norm = self.engine.get_global_grad_norm()  # set by ZeRO optimisers; None for stage 0
+                norm = self._pre_clip_norm if norm is None else float(norm)
+                if norm is not None and math.isfinite(norm):
+                    grad_norms.append(norm)
+        self.updates += 1
+        metrics.update(sums.result())
+        metrics.update(self.objective.after_update(self, metrics))
         metrics.update({
             "policy/grad_norm": sum(grad_norms) / max(1, len(grad_norms)),
-            "policy/adv_abs_mean": float(adv.abs().mean()),
-            "policy/optimizer_steps": float(opt_steps),
+            "policy/adv_abs_mean": float(batch.advantages.abs().mean()) if batch.advantages is not None else 0.0,
+            "policy/optimizer_steps": float(len(groups) * self.cfg.inner_epochs),
             "reward/nonfinite_skipped": float(skipped),
             "policy/lr": float(self.engine.get_lr()[0]),
         })
         return metrics
+
+    def _backward(self, loss: Tensor, last: bool) -> None:
+        """Back-propagate one piece; on the last piece of an optimisation step, step the optimiser."""
+        self.engine.set_gradient_accumulation_boundary(last)
+        self.engine.backward(loss, scale_wrt_gas=False)  # pieces carry their own normalisers
+        if last:
+            self._pre_clip_norm = self._grad_norm()
+            self.engine.step()
+
+    def _policy_gradient_step(self, group: list[RolloutBatch], olds: list[OldPolicy], sums: MetricSums) -> None:
+        """One optimisation step of a per-step likelihood-ratio objective over `group`'s micro-batches."""
+        assert isinstance(self.objective, PolicyGradientObjective)
+        steps, n = self.train_steps, self.steps_per_sample
+        chosen = [torch.stack([steps[torch.randperm(len(steps), generator=self.generator)][:n] for _ in range(len(mb))])
+                  for mb in group]
+        n_terms = sum(len(mb) for mb in group) * n
+        stats = self._prepare(group, olds, chosen) if self.objective.needs_prepare else {}
+        offsets = [sum(len(mb) for mb in group[:i]) for i in range(len(group))]
+        pieces = [(i, j) for i in range(len(group)) for j in range(n)]
+        for p, (i, j) in enumerate(pieces):
+            inputs = self._step_inputs(group[i], olds[i], chosen[i][:, j], n_terms)
+            inputs.rows = offsets[i] + torch.arange(len(group[i]))
+            loss, m = self.objective.loss(inputs, stats)
+            self._backward(loss, last=p == len(pieces) - 1)
+            sums.add(m)
+
+    def _step_inputs(self, mb: RolloutBatch, old: OldPolicy, step: Tensor, n_terms: int) -> StepInputs:
+        rows = torch.arange(len(mb))
+        new = self.sampler.log_prob(self.engine, mb, step)
+        kl = self._kl_to_reference(mb, step, new.mean) if self.objective.needs_reference else None
+        dtype = new.logp.dtype
+        return StepInputs(
+            new_logp=new.logp, old_logp=old.logp[rows, step], advantages=mb.advantages, step=step,
+            std=new.std, dt=self.sampler.dt[step].to(dtype), n_terms=n_terms, new_mean=new.mean,
+            old_mean=None if old.mean is None else old.mean[rows, step], kl_ref=kl, micro=mb,
+            reduce=self.sampler.reduce)
+
+    @torch.no_grad()
+    def _prepare(self, group: list[RolloutBatch], olds: list[OldPolicy], chosen: list[Tensor]) -> dict[str, Tensor]:
+        """The objective's no-grad pass over every term of the optimisation step, at the current weights."""
+        pieces, offset = [], 0
+        for mb, old, ch in zip(group, olds, chosen):
+            rows = torch.arange(len(mb))
+            for j in range(ch.shape[1]):
+                s = ch[:, j]
+                new = self.sampler.log_prob(self.engine, mb, s)
+                pieces.append(PreparePiece(
+                    new_logp=new.logp, old_logp=old.logp[rows, s], advantages=mb.advantages, step=s, std=new.std,
+                    dt=self.sampler.dt[s].to(new.logp.dtype), rows=offset + rows, new_mean=new.mean,
+                    old_mean=None if old.mean is None else old.mean[rows, s]))
+            offset += len(mb)
+        return self.objective.prepare(pieces)
+
+    def _reward_backprop_step(self, group: list[RolloutBatch], olds: list[OldPolicy], sums: MetricSums) -> None:
+        """One optimisation step of reward back-propagation through the last K steps (DRaFT-K).
+
+        surrogate = -sum_i <G_i, x0_i> / n with G = regulate(dr/dx0): its gradient is -grad mean_i r(x0_i)
+        when G is not rescaled.
+        """
+        assert isinstance(self.objective, RewardBackpropObjective) and self.reward_fn is not None
+        first = len(self.sampler.timesteps) - self.objective.cfg.backprop_steps
+        n = sum(len(mb) for mb in group)
+        for p, (mb, old) in enumerate(zip(group, olds)):
+            x0 = self.sampler.denoise_from(self.engine, mb, first, old.noise or [])
+            leaf = x0.detach().requires_grad_(True)
+            reward = self.reward_fn(leaf, mb.cond)
+            (grad,) = torch.autograd.grad(reward.sum(), leaf)
+            flat, m = self.objective.regulate(grad.flatten(1))
+            surrogate = -(flat.view_as(x0).detach() * x0).sum() / n
+            self._backward(surrogate, last=p == len(group) - 1)
+            m["reward/backprop_mean"] = reward.detach().mean()
+            sums.add(m)
 
     def _grad_norm(self) -> float | None:
         """Global L2 norm of the accumulated (unclipped) gradients, where they live on the params."""
         grads = [p.grad for p in self.policy.parameters() if p.grad is not None]
         return float(torch.nn.utils.get_total_norm(grads)) if grads else None
 
+    # ------------------------------------------------------------------ weights and checkpoints
     def weights(self) -> dict[str, Tensor]:
         """A CPU copy of the policy weights, to publish to rollout workers."""
         return {k: v.detach().to("cpu", copy=True) for k, v in self.policy.state_dict().items()}
@@ -188,12 +315,18 @@ class DeepSpeedLearner:
         save_file({k: v.contiguous() for k, v in self.weights().items()}, str(directory / "policy.safetensors"))
         save_file({k: v.detach().contiguous() for k, v in self.reference.state_dict().items()},
                   str(directory / "reference.safetensors"))
-        torch.save({"generator": self.generator.get_state()}, directory / "learner_rng.pt")
-        (directory / "objective_state.json").write_text(json.dumps(self.state))
+        torch.save({"generator": self.generator.get_state(), "updates": self.updates,
+                    "objective": self.objective.name, "objective_state": self.objective.state_dict()},
+                   directory / "learner_state.pt")
 
     def load(self, directory: Path) -> None:
         directory = Path(directory)
         self.engine.load_checkpoint(str(directory), tag="engine")
         self.reference.load_state_dict(load_file(str(directory / "reference.safetensors")))
-        self.generator.set_state(torch.load(directory / "learner_rng.pt")["generator"])
-        self.state = json.loads((directory / "objective_state.json").read_text())
+        state = torch.load(directory / "learner_state.pt", weights_only=True)
+        if state["objective"] != self.objective.name:
+            raise ValueError(f"checkpoint {directory} was written by objective {state['objective']!r}, "
+                             f"not {self.objective.name!r}")
+        self.generator.set_state(state["generator"])
+        self.updates = int(state["updates"])
+        self.objective.load_state_dict(state["objective_state"])

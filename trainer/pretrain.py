@@ -1,11 +1,17 @@
-"""Pre-training the testbed diffusion model (DDPM epsilon loss), cached by config."""
+"""Pre-training the testbed diffusion models, cached by config.
+
+Two kinds share the UNet architecture: `prediction="epsilon"` (DDPM epsilon loss, sampled with DDIM)
+and `prediction="velocity"` (rectified flow / flow matching, sampled with the flow SDE).
+"""
 from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
+from torch import Tensor
 from pydantic import Field
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -15,6 +21,8 @@ from rollout.digits import digit_splits, load_digits_tensors
 from rollout.models import build_scheduler, build_unet, save_weights
 
 MODEL_FILE = "unet.safetensors"
+
+Prediction = Literal["epsilon", "velocity"]
 
 
 class PretrainConfig(StrictModel):
@@ -26,11 +34,39 @@ class PretrainConfig(StrictModel):
     seed: int = 0
 
 
-def pretrain_unet(unet_cfg: UNetConfig, sched_cfg: SchedulerConfig, cfg: PretrainConfig, progress: bool = True):
+def epsilon_pair(x0: Tensor, alphas: Tensor, gen: torch.Generator) -> tuple[Tensor, Tensor, Tensor]:
+    """(x_t, t, eps): x_t = sqrt(a_t) x0 + sqrt(1 - a_t) eps, t uniform on the integer training timesteps."""
+    t = torch.randint(len(alphas), (len(x0),), generator=gen)
+    noise = torch.randn(x0.shape, generator=gen)
+    a = alphas[t].view(-1, 1, 1, 1)
+    return a.sqrt() * x0 + (1 - a).sqrt() * noise, t, noise
+
+
+def velocity_pair(x0: Tensor, n_train: int, gen: torch.Generator) -> tuple[Tensor, Tensor, Tensor]:
+    """(x_s, s * n_train, eps - x0): x_s = (1 - s) x0 + s eps, s ~ U(0, 1)."""
+    s = torch.rand(len(x0), generator=gen)
+    noise = torch.randn(x0.shape, generator=gen)
+    s4 = s.view(-1, 1, 1, 1)
+    return (1 - s4) * x0 + s4 * noise, s * n_train, noise - x0
+
+
+def pretrain_unet(
+    unet_cfg: UNetConfig,
+    sched_cfg: SchedulerConfig,
+    cfg: PretrainConfig,
+    progress: bool = True,
+    prediction: Prediction = "epsilon",
+):
     """Train a class-conditional UNet on the digits (all but the held-out test split).
 
-    Loss: E_{x0, t, eps} || eps - eps_theta(sqrt(a_t) x0 + sqrt(1 - a_t) eps, t, y) ||^2.
+    epsilon:  E_{x0, t, eps} || eps - eps_theta(sqrt(a_t) x0 + sqrt(1 - a_t) eps, t, y) ||^2,
+              t uniform on the integer training timesteps.
+    velocity: E_{x0, s, eps} || (eps - x0) - v_theta((1 - s) x0 + s eps, s * num_train_timesteps, y) ||^2,
+              s ~ U(0, 1) (uniform, not SD3's logit-normal: the flow sampler's default grid, shift 1,
+              is uniform in s too), the model timestep continuous (diffusers' flow-matching convention).
     """
+    if prediction not in ("epsilon", "velocity"):
+        raise ValueError(f"prediction={prediction!r} must be 'epsilon' or 'velocity'")
     torch.manual_seed(cfg.seed)
     gen = torch.Generator().manual_seed(cfg.seed)
     images, labels = load_digits_tensors()
@@ -40,21 +76,21 @@ def pretrain_unet(unet_cfg: UNetConfig, sched_cfg: SchedulerConfig, cfg: Pretrai
     model = build_unet(unet_cfg)
     sched = build_scheduler(sched_cfg)
     alphas = sched.alphas_cumprod.float()
+    n_train = sched_cfg.num_train_timesteps
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
     losses = []
+    kind = "diffusion" if prediction == "epsilon" else "rectified-flow"
     with Progress(
-        TextColumn("[bold]pretraining diffusion model"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+        TextColumn(f"[bold]pretraining {kind} model"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
         TextColumn("loss {task.fields[loss]:.4f}"), TimeElapsedColumn(), disable=not progress,
     ) as bar:
         task = bar.add_task("pretrain", total=cfg.iterations, loss=float("nan"))
         for _ in range(cfg.iterations):
             idx = torch.randint(len(images), (cfg.batch_size,), generator=gen)
             x0, y = images[idx], labels[idx]
-            t = torch.randint(sched_cfg.num_train_timesteps, (cfg.batch_size,), generator=gen)
-            noise = torch.randn(x0.shape, generator=gen)
-            a = alphas[t].view(-1, 1, 1, 1)
-            xt = a.sqrt() * x0 + (1 - a).sqrt() * noise
-            loss = F.mse_loss(model(xt, t, class_labels=y).sample, noise)
+            xt, t, target = (epsilon_pair(x0, alphas, gen) if prediction == "epsilon"
+                             else velocity_pair(x0, n_train, gen))
+            loss = F.mse_loss(model(xt, t, class_labels=y).sample, target)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             opt.step()
@@ -63,23 +99,34 @@ def pretrain_unet(unet_cfg: UNetConfig, sched_cfg: SchedulerConfig, cfg: Pretrai
     return model.eval(), losses
 
 
-def pretrained_unet_dir(unet_cfg: UNetConfig, sched_cfg: SchedulerConfig, cfg: PretrainConfig) -> Path:
-    key = config_key({"unet": unet_cfg.model_dump(), "sched": sched_cfg.model_dump(), "pretrain": cfg.model_dump()})
-    return cache_root() / "models" / f"digits-unet-{key}"
+def pretrained_unet_dir(
+    unet_cfg: UNetConfig, sched_cfg: SchedulerConfig, cfg: PretrainConfig, prediction: Prediction = "epsilon"
+) -> Path:
+    """Cache folder of a pre-trained model; epsilon keys are unchanged from before velocity models
+    existed, velocity keys include the prediction and live in `digits-flow-unet-<key>`."""
+    spec = {"unet": unet_cfg.model_dump(), "sched": sched_cfg.model_dump(), "pretrain": cfg.model_dump()}
+    if prediction == "epsilon":
+        return cache_root() / "models" / f"digits-unet-{config_key(spec)}"
+    if prediction == "velocity":
+        return cache_root() / "models" / f"digits-flow-unet-{config_key({**spec, 'prediction': prediction})}"
+    raise ValueError(f"prediction={prediction!r} must be 'epsilon' or 'velocity'")
 
 
 def ensure_pretrained_unet(
-    unet_cfg: UNetConfig, sched_cfg: SchedulerConfig, cfg: PretrainConfig, progress: bool = True
+    unet_cfg: UNetConfig,
+    sched_cfg: SchedulerConfig,
+    cfg: PretrainConfig,
+    progress: bool = True,
+    prediction: Prediction = "epsilon",
 ) -> Path:
     """Path of the cached pre-trained weights; trains and caches them first if missing."""
-    target = pretrained_unet_dir(unet_cfg, sched_cfg, cfg)
+    target = pretrained_unet_dir(unet_cfg, sched_cfg, cfg, prediction)
 
     def build(tmp: Path) -> None:
-        model, losses = pretrain_unet(unet_cfg, sched_cfg, cfg, progress)
+        model, losses = pretrain_unet(unet_cfg, sched_cfg, cfg, progress, prediction=prediction)
         save_weights(model, tmp / MODEL_FILE)
         meta = {"unet": unet_cfg.model_dump(), "scheduler": sched_cfg.model_dump(), "pretrain": cfg.model_dump(),
-                "final_loss": sum(losses[-10:]) / len(losses[-10:])}
+                "prediction": prediction, "final_loss": sum(losses[-10:]) / len(losses[-10:])}
         (tmp / "config.json").write_text(json.dumps(meta, indent=2))
 
     return build_dir_atomically(target, build) / MODEL_FILE
-

@@ -2,19 +2,19 @@
 
     A_i    = (r_i - mean_g r) / (std_g r + eps_std)                  group-relative advantage
     rho_t  = exp(log pi_theta(x_{t-1}|x_t) - log pi_old(x_{t-1}|x_t)) per-step ratio
-    L      = E[ max(-A rho_t, -A clip(rho_t, 1 - eps_clip, 1 + eps_clip)) ] + beta * KL(pi_theta || pi_ref)
+    L      = E_{i,t}[ max(-A_i rho_t, -A_i clip(rho_t, 1 - eps_clip, 1 + eps_clip)) ] + beta * E KL(pi_theta || pi_ref)
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Literal
 
 import torch
+from pydantic import Field
 from torch import Tensor
 
-from rollout.batch import RolloutBatch
-from trainer.advantages import group_advantages
-from trainer.config import ObjectiveConfig
-from trainer.objectives.registry import StepInputs, register
+from trainer.objectives.base import (PolicyGradientObjective, PolicyGradientSettings, StepInputs, kl_penalty,
+                                     ratio_metrics)
+from trainer.objectives.registry import register
 
 
 def ppo_clip_loss(ratio: Tensor, adv: Tensor, eps_clip: float) -> Tensor:
@@ -22,32 +22,20 @@ def ppo_clip_loss(ratio: Tensor, adv: Tensor, eps_clip: float) -> Tensor:
     return torch.maximum(-adv * ratio, -adv * ratio.clamp(1 - eps_clip, 1 + eps_clip))
 
 
-def ratio_metrics(ratio: Tensor, log_ratio: Tensor, eps_clip: float) -> dict[str, Tensor]:
-    r = ratio.detach()
-    return {
-        "policy/ratio_mean": r.mean(),
-        "policy/ratio_std": r.std(unbiased=False),
-        "policy/ratio_max": r.max(),
-        "policy/clip_frac": ((r - 1).abs() > eps_clip).float().mean(),
-        "policy/approx_kl_old": ((r - 1) - log_ratio.detach()).mean(),
-    }
+class GRPOSettings(PolicyGradientSettings):
+    name: Literal["grpo"] = "grpo"
+    eps_clip: float = Field(1e-4, gt=0, lt=1, description="PPO clip range for the per-step ratio")
 
 
 @register("grpo")
-class GRPO:
-    name = "grpo"
+class GRPO(PolicyGradientObjective):
+    Settings = GRPOSettings
 
-    def advantages(self, batch: RolloutBatch, cfg: ObjectiveConfig, state: dict[str, Any]) -> Tensor:
-        adv = group_advantages(batch.train_reward(), batch.group, cfg.eps_std)
-        return adv.clamp(-cfg.adv_clip, cfg.adv_clip)
-
-    def loss(self, inputs: StepInputs, cfg: ObjectiveConfig, state: dict[str, Any]) -> tuple[Tensor, dict[str, Tensor]]:
+    def loss(self, inputs: StepInputs, stats: dict[str, Tensor]) -> tuple[Tensor, dict[str, Tensor]]:
         log_ratio = inputs.new_logp - inputs.old_logp
         ratio = log_ratio.exp()
-        loss = ppo_clip_loss(ratio, inputs.advantages, cfg.eps_clip).mean()
-        metrics = ratio_metrics(ratio, log_ratio, cfg.eps_clip)
-        if inputs.kl_ref is not None and cfg.kl_coef > 0:
-            loss = loss + cfg.kl_coef * inputs.kl_ref.mean()
-            metrics["policy/kl_ref"] = inputs.kl_ref.detach().mean()
-        metrics["policy/pg_loss"] = loss.detach()
+        metrics = ratio_metrics(ratio, log_ratio, self.cfg.eps_clip)
+        pg = ppo_clip_loss(ratio, inputs.advantages, self.cfg.eps_clip).sum() / inputs.n_terms
+        loss = pg + kl_penalty(inputs, self.cfg.kl_coef, metrics)
+        metrics["policy/pg_loss"] = pg.detach() * inputs.n_terms / len(ratio)
         return loss, metrics

@@ -1,56 +1,47 @@
-"""The objective registry and the inputs every per-step loss receives."""
+"""The objective registry: each objective class registers under its name with its own settings."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any, Callable, Protocol
+from typing import Callable, TypeVar
 
-from torch import Tensor
+from trainer.objectives.base import Objective, ObjectiveSettings
 
-from rollout.batch import RolloutBatch
-from trainer.config import ObjectiveConfig
-
-
-@dataclass
-class StepInputs:
-    """What a per-step loss sees for one micro-batch at one sampled step per sample."""
-
-    new_logp: Tensor  # [b] with grad
-    old_logp: Tensor  # [b] recomputed at the start of the update, no grad
-    advantages: Tensor  # [b]
-    kl_ref: Tensor | None = None  # [b] analytic KL to the reference (with grad), when kl_coef > 0
-    extras: dict[str, Tensor] = field(default_factory=dict)
+_REGISTRY: dict[str, type[Objective]] = {}
+O = TypeVar("O", bound=type[Objective])
 
 
-class Objective(Protocol):
-    """advantages(batch, cfg, state) -> [B];  loss(inputs, cfg, state) -> (scalar loss, metrics)."""
+def register(name: str) -> Callable[[O], O]:
+    """Class decorator: `@register("grpo")` on an Objective subclass whose `Settings.name` is Literal[name]."""
 
-    name: str
-
-    def advantages(self, batch: RolloutBatch, cfg: ObjectiveConfig, state: dict[str, Any]) -> Tensor: ...
-
-    def loss(self, inputs: StepInputs, cfg: ObjectiveConfig, state: dict[str, Any]) -> tuple[Tensor, dict[str, Tensor]]: ...
-
-
-_REGISTRY: dict[str, Objective] = {}
-
-
-def register(name: str) -> Callable[[type], type]:
-    def deco(cls: type) -> type:
+    def deco(cls: O) -> O:
         if name in _REGISTRY:
             raise ValueError(f"objective {name!r} registered twice")
-        obj = cls()
-        obj.name = name
-        _REGISTRY[name] = obj
+        if cls.Settings.model_fields["name"].default != name:
+            raise ValueError(f"{cls.__name__}.Settings.name must default to {name!r}")
+        cls.name = name
+        _REGISTRY[name] = cls
         return cls
 
     return deco
 
 
-def get_objective(name: str) -> Objective:
+def objective_class(name: str) -> type[Objective]:
     if name not in _REGISTRY:
         raise ValueError(f"objective.name={name!r} is not registered; available: {sorted(_REGISTRY)}")
     return _REGISTRY[name]
 
 
+def build_objective(cfg: ObjectiveSettings) -> Objective:
+    """The objective named by `cfg.name`, holding its settings (and, from then on, its state)."""
+    cls = objective_class(cfg.name)
+    if not isinstance(cfg, cls.Settings):
+        raise TypeError(f"objective {cfg.name!r} needs {cls.Settings.__name__}, got {type(cfg).__name__}")
+    return cls(cfg)
+
+
 def available() -> list[str]:
     return sorted(_REGISTRY)
+
+
+def settings_types() -> dict[str, type[ObjectiveSettings]]:
+    """name -> settings model, for the config's discriminated union."""
+    return {name: cls.Settings for name, cls in sorted(_REGISTRY.items())}

@@ -1,0 +1,77 @@
+"""Flow-GRPO's SDE on a rectified-flow (velocity-prediction) model, as a Gaussian policy per step.
+
+Rectified flow: x_s = (1 - s) x0 + s eps, s = 1 is pure noise, and the model predicts the velocity
+v = eps - x0 (so x0 = x - s v and eps = x + (1 - s) v).  The probability-flow ODE dx = v ds is
+replaced by the SDE with the same marginals (Flow-GRPO, Liu et al. 2025, eq. 9); one Euler-Maruyama
+step from grid value s to s_next (Delta = s_next - s < 0) is
+
+    sigma_s = a * sqrt(s / (1 - s'))        s' = s, except at s == 1 where s' = s_next
+    mean    = x + [v + sigma_s^2 / (2 s) * (x + (1 - s) v)] * Delta
+    std     = sigma_s * sqrt(|Delta|)
+    x_next ~ N(mean, std^2 I)
+
+with a = `cfg.noise_level` (~0.7).  At s = 1, sqrt(s / (1 - s)) is infinite, so the first step uses
+the next grid value in the denominator, as yifan123/flow_grpo's `sde_step_with_logprob` does
+(`sigma_max = sigmas[1]`).  The grid s_0 = 1 > s_1 > ... > s_T = 0 is diffusers'
+`FlowMatchEulerDiscreteScheduler` (with `cfg.shift`) after `set_timesteps(num_steps)`; the model is
+called at timestep s * num_train_timesteps (diffusers' `scheduler.timesteps`).  Steps whose std is
+below `cfg.min_std` (with the default grid, the last one, s = 1/num_train_timesteps -> 0) take the
+mean without noise, carry no log-prob and are never trained.
+"""
+from __future__ import annotations
+
+import torch
+from diffusers import FlowMatchEulerDiscreteScheduler
+from torch import Tensor
+
+from rollout.config import FlowSDESamplerConfig, SchedulerConfig
+from rollout.sampler import ConditionalModel, GaussianStepSampler, StepDistribution
+
+__all__ = ["FlowSDESampler", "flow_sigmas", "flow_noise_level"]
+
+
+def flow_sigmas(cfg: FlowSDESamplerConfig, scheduler: SchedulerConfig) -> tuple[Tensor, Tensor]:
+    """(sigmas [T+1] float64, from 1 down to 0; model timesteps [T]) of diffusers' flow-matching scheduler."""
+    sched = FlowMatchEulerDiscreteScheduler(num_train_timesteps=scheduler.num_train_timesteps, shift=cfg.shift)
+    sched.set_timesteps(cfg.num_steps)
+    return sched.sigmas.double().clone(), sched.timesteps.clone()
+
+
+def flow_noise_level(sigmas: Tensor, noise_level: float) -> Tensor:
+    """sigma_s = a * sqrt(s / (1 - s')) at each current grid value s = sigmas[:-1] ([T], float64);
+    s' = s except at s == 1, where s' = sigmas[1] (the next grid value) keeps it finite."""
+    s = sigmas[:-1]
+    s_denominator = torch.where(s == 1, sigmas[1], s)
+    return noise_level * torch.sqrt(s / (1 - s_denominator))
+
+
+class FlowSDESampler(GaussianStepSampler):
+    """The velocity model's flow-matching grid as a per-step Gaussian policy (Flow-GRPO's SDE).
+
+    Attributes ([T]): sigmas [T+1] (grid, float64), timesteps (model timesteps), noise_level
+    (sigma_s, float64), delta (s_next - s < 0, float64), std (sigma_s sqrt|Delta|, float64),
+    dt (|Delta|, float64), trainable (std >= cfg.min_std).
+    """
+
+    def __init__(self, cfg: FlowSDESamplerConfig, scheduler: SchedulerConfig):
+        self.cfg = cfg
+        self.sigmas, self.timesteps = flow_sigmas(cfg, scheduler)  # [T+1] float64, [T]
+        self.delta = self.sigmas[1:] - self.sigmas[:-1]  # [T], < 0
+        self.noise_level = flow_noise_level(self.sigmas, cfg.noise_level)  # [T]
+        self.dt = self.delta.abs()
+        self.std = self.noise_level * self.dt.sqrt()  # [T], float64
+        self.trainable = self.std >= cfg.min_std  # [T]
+        if not bool(torch.isfinite(self.std).all()):
+            raise ValueError(f"flow-SDE step stds are not finite: {self.std.tolist()}")
+
+    def step_distribution(self, policy: ConditionalModel, x_t: Tensor, step: Tensor, cond: Tensor) -> StepDistribution:
+        """N(x + [v + sigma_s^2/(2s) (x + (1-s) v)] Delta, (sigma_s sqrt|Delta|)^2 I), in x_t's dtype."""
+        dt = x_t.dtype
+        shape = (-1,) + (1,) * (x_t.dim() - 1)
+        s = self.sigmas[step].to(dt).view(shape)
+        noise_var = (self.noise_level[step] ** 2).to(dt).view(shape)
+        delta = self.delta[step].to(dt).view(shape)
+        v = policy(x_t, self.timesteps[step], class_labels=cond).sample
+        # x + (1 - s) v is the predicted noise eps_hat; the correction is the score term of the SDE.
+        mean = x_t + (v + noise_var / (2 * s) * (x_t + (1 - s) * v)) * delta
+        return StepDistribution(mean, self.std[step].to(dt))

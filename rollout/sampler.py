@@ -1,0 +1,174 @@
+"""The sampler seam: a policy over denoising steps, each step a Gaussian N(mean, std^2 I).
+
+Every image sampler (DDIM, flow-SDE) is a `GaussianStepSampler`: it owns a schedule
+(`timesteps`, per-step `std`, per-step `dt`, which steps are stochastic) and one small
+scheduler-like function, `step_distribution(policy, x_t, step, cond)`, from which sampling,
+the log-prob recompute, the KL between two policies and reward back-propagation all follow.
+The learner only ever talks to this interface, never to a concrete sampler.
+
+    log pi(x_next | x_t) = log N(x_next; mean, std^2 I), reduced over pixels by `mean` or `sum`
+    KL(p || q) at one step (same std) = ||mean_p - mean_q||^2 / (2 std^2)   (same reduction)
+"""
+from __future__ import annotations
+
+import math
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+from torch import Tensor
+
+from rollout.batch import RolloutBatch
+
+
+class ConditionalModel(Protocol):
+    """Anything called like a diffusers UNet: model(x, t, class_labels=c).sample."""
+
+    def __call__(self, sample: Tensor, timestep: Tensor, class_labels: Tensor | None = ...) -> Any: ...
+
+
+def gaussian_logp(x: Tensor, mean: Tensor, std: Tensor, reduce: str) -> Tensor:
+    """log N(x; mean, std^2 I) per sample, reduced over non-batch dims by `mean` or `sum`; `std` is [B]."""
+    std = std.view(-1, *([1] * (x.dim() - 1)))
+    lp = -((x - mean) ** 2) / (2 * std**2) - torch.log(std) - 0.5 * math.log(2 * math.pi)
+    dims = tuple(range(1, x.dim()))
+    return lp.mean(dim=dims) if reduce == "mean" else lp.sum(dim=dims)
+
+
+def reduce_pixels(values: Tensor, reduce: str) -> Tensor:
+    """Mean or sum over every non-batch dimension ([B,...] -> [B])."""
+    dims = tuple(range(1, values.dim()))
+    return values.mean(dim=dims) if reduce == "mean" else values.sum(dim=dims)
+
+
+@dataclass
+class StepDistribution:
+    """pi(. | x_t) at one step for a batch: N(mean [B,...], std [B]^2 I)."""
+
+    mean: Tensor
+    std: Tensor
+
+    def log_prob(self, x_next: Tensor, reduce: str) -> Tensor:
+        return gaussian_logp(x_next, self.mean, self.std, reduce)
+
+
+@dataclass
+class StepLogProb:
+    """A recomputed step: log-prob [B] of the stored transition and the distribution it came from."""
+
+    logp: Tensor
+    mean: Tensor
+    std: Tensor
+
+
+class GaussianStepSampler(ABC):
+    """Shared sampling / recompute logic over a schedule; subclasses define the schedule and
+    `step_distribution`. Attributes (all [T], T = num inference steps):
+
+    timesteps: model timestep per step.  std: the step's Gaussian std (float64).
+    dt: |Delta t| of the step in the model's continuous time (flow: |s_next - s|; DDIM: (t - t_prev)/T_train).
+    trainable: the step is stochastic (std >= cfg.min_std) and carries a log-prob.
+    """
+
+    cfg: Any
+    timesteps: Tensor
+    std: Tensor
+    dt: Tensor
+    trainable: Tensor
+
+    @property
+    def reduce(self) -> str:
+        return self.cfg.logp_reduce
+
+    @property
+    def trainable_steps(self) -> Tensor:
+        """Indices of the stochastic (trainable) inference steps."""
+        return torch.nonzero(self.trainable).flatten()
+
+    def train_steps(self, min_std: float = 0.0) -> Tensor:
+        """Stochastic steps whose std is at least `min_std` (the steps a learner trains)."""
+        steps = torch.nonzero(self.trainable & (self.std >= min_std)).flatten()
+        if len(steps) == 0:
+            raise ValueError(f"objective.train_min_std={min_std} leaves no step to train "
+                             f"(step stds: {[round(float(s), 4) for s in self.std]})")
+        return steps
+
+    @abstractmethod
+    def step_distribution(self, policy: ConditionalModel, x_t: Tensor, step: Tensor, cond: Tensor) -> StepDistribution:
+        """pi(x_next | x_t) at inference-step indices `step` [B]."""
+
+    @torch.no_grad()
+    def sample(
+        self,
+        policy: ConditionalModel,
+        cond: Tensor,
+        n_per_cond: int,
+        generator: torch.Generator,
+        dtype: torch.dtype = torch.float32,
+        sample_shape: tuple[int, ...] = (1, 8, 8),
+        group_offset: int = 0,
+    ) -> RolloutBatch:
+        """Draw `n_per_cond` samples for each entry of `cond`; one group per entry, numbered from
+        `group_offset` (workers use distinct offsets so their batches can be joined)."""
+        n_groups = len(cond)
+        cond = cond.long().repeat_interleave(n_per_cond)
+        group = (group_offset + torch.arange(n_groups)).repeat_interleave(n_per_cond)
+        B, T = len(cond), len(self.timesteps)
+        x = torch.randn((B, *sample_shape), generator=generator, dtype=dtype)
+        traj, logps = [x], []
+        for k in range(T):
+            dist = self.step_distribution(policy, x, torch.full((B,), k, dtype=torch.long), cond)
+            if self.trainable[k]:
+                noise = torch.randn(x.shape, generator=generator, dtype=dtype)
+                x = dist.mean + dist.std.view(-1, *([1] * (x.dim() - 1))) * noise
+                logps.append(dist.log_prob(x, self.reduce))
+            else:
+                x = dist.mean
+                logps.append(torch.zeros(B, dtype=dtype))
+            traj.append(x)
+        return RolloutBatch(cond=cond, group=group, samples=x, traj=torch.stack(traj, dim=1),
+                            old_logp=torch.stack(logps, dim=1), timesteps=self.timesteps.clone(),
+                            trainable=self.trainable.clone())
+
+    def _steps(self, batch: RolloutBatch, step: Tensor | int) -> Tensor:
+        if isinstance(step, int):
+            step = torch.full((len(batch),), step, dtype=torch.long)
+        return step
+
+    def log_prob(self, policy: ConditionalModel, batch: RolloutBatch, step: Tensor | int) -> StepLogProb:
+        """Recompute log pi(x_next | x_t) [B] of the stored transition at step(s) `step` (int or [B])."""
+        step = self._steps(batch, step)
+        if not bool(self.trainable[step].all()):
+            raise ValueError("log_prob asked for a deterministic (untrainable) step")
+        rows = torch.arange(len(batch))
+        dist = self.step_distribution(policy, batch.traj[rows, step], step, batch.cond)
+        return StepLogProb(dist.log_prob(batch.traj[rows, step + 1], self.reduce), dist.mean, dist.std)
+
+    def distribution(self, policy: ConditionalModel, batch: RolloutBatch, step: Tensor | int) -> StepDistribution:
+        """The step distribution at the stored x_t (e.g. of the reference policy, for a KL)."""
+        step = self._steps(batch, step)
+        return self.step_distribution(policy, batch.traj[torch.arange(len(batch)), step], step, batch.cond)
+
+    def kl(self, mean_p: Tensor, mean_q: Tensor, std: Tensor) -> Tensor:
+        """KL(N(mean_p, std^2) || N(mean_q, std^2)) per sample [B], in the sampler's pixel reduction."""
+        return reduce_pixels((mean_p - mean_q) ** 2 / (2 * std.view(-1, *([1] * (mean_p.dim() - 1))) ** 2),
+                             self.reduce)
+
+    @torch.no_grad()
+    def recorded_noise(self, policy: ConditionalModel, batch: RolloutBatch, step: int) -> Tensor:
+        """z = (x_next - mean) / std of the stored transition at `step` under `policy` (0 where deterministic)."""
+        dist = self.distribution(policy, batch, step)
+        if not bool(self.trainable[step]):
+            return torch.zeros_like(dist.mean)
+        return (batch.traj[:, step + 1] - dist.mean) / dist.std.view(-1, *([1] * (dist.mean.dim() - 1)))
+
+    def denoise_from(self, policy: ConditionalModel, batch: RolloutBatch, first_step: int,
+                     noise: list[Tensor]) -> Tensor:
+        """Re-run steps first_step..T-1 from the stored x_{first_step} with the recorded noise, with
+        gradients through the policy (reward back-propagation, DRaFT-K): returns x_0 [B,...]."""
+        x = batch.traj[:, first_step]
+        for k, z in zip(range(first_step, len(self.timesteps)), noise):
+            dist = self.step_distribution(policy, x, torch.full((len(batch),), k, dtype=torch.long), batch.cond)
+            x = dist.mean + dist.std.view(-1, *([1] * (x.dim() - 1))) * z if self.trainable[k] else dist.mean
+        return x

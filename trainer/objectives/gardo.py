@@ -1,0 +1,197 @@
+"""GARDO, paper form (`gardo.paper`) = what tinnerhrhe/GARDO's code does (train_sd3_grpo_gardo.py,
+flow_grpo/stat_tracking.py). Once per update, on the whole batch:
+
+    u_i    = rank_main(i) - mean_k rank_aux_k(i)   batch-wide ranks, 1 = highest (reward/uncertainty.py);
+             aux = every reward column but the proxy (`reward_key`) and "mean"; `uncertainty_sign`
+    m      = mean{u_i : u_i >= 0};  W = the last 20 m's (before this one)
+    beta   = 0.1 if W empty; else beta*1.1 if m > max W, beta*0.9 if m < min W; clip [0.02, 0.2]; W += m
+    gate_i = u_i >= 0 and u_i > percentile_linear({u >= 0}, 100 - 100 beta)
+    d_i    = min_{j != i in group} (1 - cos(f_i, f_j)), f L2-normalised   (reward/diversity.py)
+    w_i    = d_i / mean_g d if r_i >= mean_g r else 1    (1 for the whole group when mean_g d = 0)
+    A_i    = clip((r_i - mean_g r) * w_i [/ (std_g r + eps_std) if adv_std_normalise], +-adv_clip)
+
+Per micro-batch x trained step (b samples, n_terms in the optimisation step):
+
+    L   = sum_i ppo_clip(rho_i, A_i) / n_terms + kl_coef * KL_piece
+    KL_piece = sum_{i gated} k_i / n_terms                         kl_average "all_terms"
+             = (sum_{i gated} k_i / #gated) * b / n_terms          kl_average "gated" (their mean)
+    k_i = ||mu_theta - mu_ref||^2 / (2 s^2) * |dt|  ("code": their sigma_t without sqrt|dt|), or without
+          the |dt| factor ("exact"; s the step std), in the sampler's pixel reduction. No gated sample: no KL.
+
+After each update (hard reset of the reference): the windowed KL of an optimisation step is the mean
+over its pieces of mean_{gated} k_i (0 for a piece without gated samples), as their `info["kl_loss"]`;
+reset when the largest window of the update exceeds `ref_kl_threshold` (in k's units), or when
+`ref_reset_every` updates have passed since the last reset (their `epoch - prev_epoch > reset_freq=15`
+resets every 16 updates).
+"""
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+from pydantic import Field
+from torch import Tensor
+
+from reward.diversity import cosine_nearest_neighbour_distance
+from reward.uncertainty import rank_difference_uncertainty
+from rollout.batch import RolloutBatch
+from trainer.objectives.base import (LearnerHooks, PolicyGradientObjective, PolicyGradientSettings, StepInputs,
+                                     ratio_metrics)
+from trainer.objectives.grpo import ppo_clip_loss
+from trainer.objectives.registry import register
+
+
+class GARDOCommonSettings(PolicyGradientSettings):
+    eps_clip: float = Field(1e-4, gt=0, lt=1, description="PPO clip range (their train.clip_range)")
+    kl_coef: float = Field(0.04, ge=0, description="KL weight on gated samples (their configs: 0.01-0.07)")
+    kl: Literal["code", "exact"] = Field("code", description="code: KL * |dt| (sigma_t without sqrt|dt|)")
+    kl_average: Literal["all_terms", "gated"] = Field(
+        "all_terms", description="all_terms: sum over gated / n_terms; gated: their mean over the gated samples")
+    adv_std_normalise: bool = Field(False, description="divide by the group std + eps_std (their code: no)")
+
+
+class GARDOPaperSettings(GARDOCommonSettings):
+    name: Literal["gardo.paper"] = "gardo.paper"
+    uncertainty_sign: Literal["code", "over_rating"] = "code"
+    beta_init: float = Field(0.1, gt=0, le=1)
+    beta_min: float = Field(0.02, gt=0, le=1)
+    beta_max: float = Field(0.2, gt=0, le=1)
+    beta_rate: float = Field(0.1, ge=0, lt=1, description="beta *= 1 +- rate")
+    beta_window: int = Field(20, ge=1, description="past m's compared against")
+    ref_kl_threshold: float = Field(3e-4, gt=0, description="hard reset when a windowed KL exceeds this")
+    ref_reset_every: int = Field(16, ge=1, description="hard reset after this many updates without one")
+
+
+def diversity_advantages(batch: RolloutBatch, adv_clip: float, std_normalise: bool = False,
+                         eps_std: float = 1e-4) -> tuple[Tensor, Tensor, Tensor]:
+    """(A, w, d) [B] of the diversity-aware advantage (module docstring)."""
+    if batch.features is None:
+        raise ValueError("GARDO's diversity-aware advantage needs batch.features (the ensemble's feature network)")
+    r = batch.train_reward().double()
+    d = cosine_nearest_neighbour_distance(batch.features, batch.group)
+    adv, w = torch.zeros_like(r), torch.ones_like(r)
+    for g in batch.group.unique():
+        idx = batch.group == g
+        rg, dg = r[idx], d[idx]
+        centred = rg - rg.mean()
+        if dg.mean() > 0:
+            w[idx] = torch.where(centred >= 0, dg / dg.mean(), torch.ones_like(dg))
+        adv[idx] = centred * w[idx] / ((rg.std(unbiased=False) + eps_std) if std_normalise else 1)
+    return adv.clamp(-adv_clip, adv_clip).to(batch.train_reward().dtype), w, d
+
+
+def aux_scores(batch: RolloutBatch) -> Tensor:
+    """[B,K] auxiliary reward columns: all but the proxy (`reward_key`) and the ensemble mean."""
+    cols = [k for k, n in enumerate(batch.reward_names) if n not in (batch.reward_key, "mean")]
+    if not cols:
+        raise ValueError(f"GARDO needs auxiliary rewards besides {batch.reward_key!r}: {batch.reward_names}")
+    return batch.rewards[:, cols]
+
+
+def adapt_beta(beta: float, window: Tensor, m: float, cfg: GARDOPaperSettings) -> tuple[float, Tensor]:
+    """Their RiskCompensator.update: compare m with the window *before* appending it."""
+    if len(window) == 0:
+        beta = cfg.beta_init
+    elif m > float(window.max()):
+        beta *= 1 + cfg.beta_rate
+    elif m < float(window.min()):
+        beta *= 1 - cfg.beta_rate
+    beta = min(max(beta, cfg.beta_min), cfg.beta_max)
+    window = torch.cat([window, torch.tensor([m], dtype=torch.float64)])[-cfg.beta_window:]
+    return beta, window
+
+
+def percentile_gate(u: Tensor, beta: float) -> tuple[Tensor, float]:
+    """u >= 0 and u > the linear (100 - 100 beta)-th percentile of the u >= 0 values."""
+    pos = u[u >= 0].double()
+    thr = float(torch.quantile(pos, 1 - beta, interpolation="linear")) if len(pos) else float("inf")
+    return (u >= 0) & (u > thr), thr
+
+
+class GARDOBase(PolicyGradientObjective):
+    """Shared loss (PPO clip on all samples + KL on the gated ones) and per-step windowed KL."""
+
+    def __init__(self, cfg: GARDOCommonSettings):
+        super().__init__(cfg)
+        self._win = [0.0, 0, 0]  # this optimisation step: sum of piece KLs, pieces, terms seen
+        self._win_max = 0.0
+
+    @property
+    def needs_reference(self) -> bool:
+        return True
+
+    def gate(self, batch: RolloutBatch) -> tuple[Tensor, dict[str, float]]:
+        raise NotImplementedError
+
+    def prepare_batch(self, batch: RolloutBatch) -> tuple[RolloutBatch, dict[str, float]]:
+        gate, metrics = self.gate(batch)
+        adv, w, d = diversity_advantages(batch, self.cfg.adv_clip, self.cfg.adv_std_normalise, self.cfg.eps_std)
+        metrics.update({"gardo/gate_frac": float(gate.double().mean()), "gardo/div_weight_mean": float(w.mean()),
+                        "gardo/div_distance_mean": float(d.mean())})
+        return batch.replace(advantages=adv).with_extras(gardo_gate=gate), metrics
+
+    def loss(self, inputs: StepInputs, stats: dict[str, Tensor]) -> tuple[Tensor, dict[str, Tensor]]:
+        if inputs.kl_ref is None or inputs.micro is None:
+            raise ValueError("GARDO needs the learner's kl_ref and micro-batch")
+        log_ratio = inputs.new_logp - inputs.old_logp
+        ratio = log_ratio.exp()
+        metrics = ratio_metrics(ratio, log_ratio, self.cfg.eps_clip)
+        pg = ppo_clip_loss(ratio, inputs.advantages, self.cfg.eps_clip).sum() / inputs.n_terms
+        metrics["policy/pg_loss"] = pg.detach() * inputs.n_terms / len(ratio)
+        gate = inputs.micro.extras["gardo_gate"].bool()
+        k = inputs.kl_ref * inputs.dt if self.cfg.kl == "code" else inputs.kl_ref
+        loss, piece_kl = pg, 0.0
+        if bool(gate.any()):
+            kl = k[gate].sum() / inputs.n_terms
+            if self.cfg.kl_average == "gated":
+                kl = kl * len(gate) / int(gate.sum())
+            loss = pg + self.cfg.kl_coef * kl
+            piece_kl = float(k[gate].detach().mean())
+            metrics["gardo/kl_gated"] = k[gate].detach().mean()
+        self._win[0] += piece_kl
+        self._win[1] += 1
+        self._win[2] += len(gate)
+        if self._win[2] >= inputs.n_terms:  # the optimisation step's last piece
+            self._win_max = max(self._win_max, self._win[0] / self._win[1])
+            self._win = [0.0, 0, 0]
+        return loss, metrics
+
+    def take_window_max(self) -> float:
+        """The update's largest windowed KL (max over learner ranks), and clear it."""
+        value = torch.tensor(self._win_max, dtype=torch.float64)
+        if torch.distributed.is_available() and torch.distributed.is_initialized() \
+                and torch.distributed.get_world_size() > 1:
+            torch.distributed.all_reduce(value, op=torch.distributed.ReduceOp.MAX)
+        self._win, self._win_max = [0.0, 0, 0], 0.0
+        return float(value)
+
+
+@register("gardo.paper")
+class GARDOPaper(GARDOBase):
+    Settings = GARDOPaperSettings
+
+    def __init__(self, cfg: GARDOPaperSettings):
+        super().__init__(cfg)
+        self.state = {"beta": torch.tensor(cfg.beta_init, dtype=torch.float64),
+                      "m_window": torch.zeros(0, dtype=torch.float64),
+                      "updates_since_reset": torch.tensor(0), "resets": torch.tensor(0)}
+
+    def gate(self, batch: RolloutBatch) -> tuple[Tensor, dict[str, float]]:
+        u = rank_difference_uncertainty(batch.train_reward(), aux_scores(batch), self.cfg.uncertainty_sign)
+        m = float(u[u >= 0].mean()) if bool((u >= 0).any()) else 0.0  # sum u = 0: never empty
+        beta, self.state["m_window"] = adapt_beta(float(self.state["beta"]), self.state["m_window"], m, self.cfg)
+        self.state["beta"] = torch.tensor(beta, dtype=torch.float64)
+        gate, thr = percentile_gate(u, beta)
+        return gate, {"gardo/beta": beta, "gardo/u_mean": m, "gardo/u_threshold": thr}
+
+    def after_update(self, hooks: LearnerHooks, metrics: dict[str, float]) -> dict[str, float]:
+        kl = self.take_window_max()
+        since = int(self.state["updates_since_reset"]) + 1
+        reset = kl > self.cfg.ref_kl_threshold or since >= self.cfg.ref_reset_every
+        if reset:
+            hooks.reset_reference()
+            self.state["resets"] = self.state["resets"] + 1
+            since = 0
+        self.state["updates_since_reset"] = torch.tensor(since)
+        return {"gardo/kl_window_max": kl, "gardo/ref_reset": float(reset),
+                "gardo/resets": float(self.state["resets"]), "gardo/updates_since_reset": float(since)}

@@ -1,0 +1,95 @@
+"""StableDRL, official-code form (JianyuanZhong/StableDRL, networks/llada_svpo.py, `use_snis: true`).
+
+    A_i      = r_i - mean_g r                                     no std division; no clip unless adv_clip is set
+    log w_i  = min(log rho_i, log_ratio_cap)                      one-sided: capped above only (log 5 in their code)
+    w        = softmax(log w) over the local batch, detached      sum_i w_i = 1
+    L        = -sum_i w_i A_i l_i                                  plain sum: no division by batch or length
+
+Images (this file): one sample's "sequence" is the set of trained steps it draws in the optimisation step,
+    log rho_i = sum_j (log pi_theta - log pi_old)(step j of sample i)    computed in the no-grad `prepare`
+    l_i       = sum_j log pi_theta(step j of sample i)                   with gradient
+and the softmax runs over the optimisation step's samples (their code's "local batch": what one rank
+holds). Each piece (micro-batch x one trained step) returns -sum_{i in piece} w_i A_i log pi_theta(x_i at
+its step) (+ kl_coef * sum KL / n_terms, 0 by default as in their code); the learner's sum over pieces
+gives L. Samples are matched across pieces by `PreparePiece.rows` / `StepInputs.rows`. The weights are
+rank-local by design (their softmax never crosses ranks): they must not be all-reduced.
+
+Not yet here (dLLMs, a later issue): l_i is their SPG sandwich -- the ELBO (per-sample mean over masked
+tokens, averaged over MC masks) when A_i > 0 strictly, else 0.5 * EUBO(beta = 1.5) + 0.5 * ELBO -- and
+log rho_i = ELBO_new - ELBO_old with independently drawn mask seeds.
+"""
+from __future__ import annotations
+
+import math
+from typing import Literal
+
+import torch
+from pydantic import Field
+from torch import Tensor
+
+from rollout.batch import RolloutBatch
+from trainer.objectives.base import (ObjectiveSettings, PolicyGradientObjective, PreparePiece, StepInputs,
+                                     kl_penalty, ratio_metrics)
+from trainer.objectives.registry import register
+
+
+def mean_centred_advantages(rewards: Tensor, group: Tensor) -> Tensor:
+    """A_i = r_i - mean_g r within each prompt group (no std division, as their code)."""
+    adv = torch.zeros_like(rewards)
+    for g in group.unique():
+        idx = group == g
+        adv[idx] = rewards[idx] - rewards[idx].mean()
+    return adv
+
+
+class StableDRLCodeSettings(ObjectiveSettings):
+    name: Literal["stabledrl.code"] = "stabledrl.code"
+    log_ratio_cap: float = Field(
+        math.log(5.0), description="the per-sample log-ratio is capped above (only) at this before the softmax; "
+        "their code: log(ais_clip_iw) with ais_clip_iw = 5")
+    adv_clip: float | None = Field(
+        None, gt=0, description="clip A = r - mean_g r to [-adv_clip, adv_clip]; None (their code): no clip")
+    kl_coef: float = Field(0.0, ge=0, description="weight of the analytic Gaussian KL to the reference (their "
+                           "code: none)")
+    timestep_fraction: float = Field(0.5, gt=0, le=1, description="share of trained steps drawn per sample")
+
+
+@register("stabledrl.code")
+class StableDRLCode(PolicyGradientObjective):
+    Settings = StableDRLCodeSettings
+    needs_prepare = True
+
+    def advantages(self, batch: RolloutBatch) -> Tensor:
+        adv = mean_centred_advantages(batch.train_reward(), batch.group)
+        clip = self.cfg.adv_clip
+        return adv if clip is None else adv.clamp(-clip, clip)
+
+    @torch.no_grad()
+    def prepare(self, pieces: list[PreparePiece]) -> dict[str, Tensor]:
+        """Per-sample log rho_i summed over its trained steps, and w = softmax(min(log rho, cap)) over the step."""
+        rows = torch.cat([p.rows for p in pieces])
+        log_ratio = torch.cat([p.new_logp - p.old_logp for p in pieces])
+        n = int(rows.max()) + 1
+        per_sample = torch.zeros(n, dtype=log_ratio.dtype).index_add_(0, rows, log_ratio)
+        present = torch.zeros(n, dtype=torch.bool).index_fill_(0, rows, True)
+        capped = per_sample.clamp(max=self.cfg.log_ratio_cap).masked_fill(~present, -math.inf)
+        weights = torch.softmax(capped, dim=0)  # a row index no piece holds gets weight 0
+        return {"stabledrl/log_ratio": per_sample, "stabledrl/weights": weights}
+
+    def loss(self, inputs: StepInputs, stats: dict[str, Tensor]) -> tuple[Tensor, dict[str, Tensor]]:
+        if "stabledrl/weights" not in stats or inputs.rows is None:
+            raise ValueError("stabledrl.code needs the prepare statistics (stabledrl/weights) and StepInputs.rows")
+        w = stats["stabledrl/weights"][inputs.rows]
+        adv = inputs.advantages
+        pg = -(w * adv * inputs.new_logp).sum()
+        step_log_ratio = inputs.new_logp - inputs.old_logp
+        metrics = ratio_metrics(step_log_ratio.exp(), step_log_ratio, None)
+        seq = stats["stabledrl/log_ratio"]
+        metrics.update({
+            "stabledrl/weight_max": stats["stabledrl/weights"].max(),
+            "stabledrl/iw_mean": seq.exp().mean(),  # their iw_mean / iw_max: of the uncapped weights
+            "stabledrl/iw_max": seq.exp().max(),
+            "stabledrl/cap_frac": (seq > self.cfg.log_ratio_cap).float().mean(),
+            "policy/pg_loss": -(w * adv).sum().detach(),
+        })
+        return pg + kl_penalty(inputs, self.cfg.kl_coef, metrics), metrics
