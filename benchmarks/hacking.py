@@ -28,6 +28,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 METHODS = ["grpo", "stabledrl.paper", "stabledrl.code", "grpo_guard.paper", "gardo.paper", "gardo.seed", "draft"]
+# Named variants run beside the presets: GARDO's uncertainty sign (DESIGN §4: the code's sign is odd).
+VARIANTS = {"gardo.paper[over_rating]": ("gardo.paper", ["objective.uncertainty_sign=over_rating"])}
 
 # Hackable proxies: a linear classifier fit on ~5% of the proxy split (about 37 images), rewarding
 # p(requested digit) or its unbounded log-odds; the CNN and MLP members stay as the ensemble's
@@ -164,7 +166,8 @@ def plot(runs: list[dict[str, Any]], path: Path) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--methods", nargs="+", default=METHODS)
+    ap.add_argument("--methods", nargs="+", default=METHODS + list(VARIANTS),
+                    help=f"presets (configs/digits-<method>.yaml) or named variants {sorted(VARIANTS)}")
     ap.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--samples-per-class", type=int, default=8, help="group size")
@@ -175,9 +178,10 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "hacking")
     ap.add_argument("--set", nargs="*", default=[], help="extra key.sub=value overrides for every run")
     args = ap.parse_args()
-    for m in args.methods:
-        if not preset(m).exists():
-            ap.error(f"no preset {preset(m)} for method {m!r}")
+    variants = [(m, *VARIANTS.get(m, (m, [])) ) for m in args.methods]
+    for label, method, _ in variants:
+        if not preset(method).exists():
+            ap.error(f"no preset {preset(method)} for method {label!r}")
     overrides = [*PROXIES[args.proxy], f"run.steps={args.steps}", f"sampler.samples_per_class={args.samples_per_class}",
                  f"run.eval_samples_per_class={args.eval_samples_per_class}", *args.set]
     from benchmarks.inprocess import warm_caches
@@ -185,7 +189,8 @@ def main() -> None:
 
     warm_caches(load_config(preset(args.methods[0]), overrides))  # build cached models once, not per process
     t0 = time.perf_counter()
-    runs = run_all([(m, m, overrides) for m in args.methods], args.seeds, args.jobs, args.eval_every)
+    runs = run_all([(label, method, overrides + extra) for label, method, extra in variants], args.seeds, args.jobs,
+                   args.eval_every)
     setting = (f"proxy {args.proxy}, {args.steps} steps, {args.samples_per_class} samples per class (group), "
                f"seeds {args.seeds}, eval on {args.eval_samples_per_class} seeded samples per class; "
                f"wall {time.perf_counter() - t0:.0f} s with {args.jobs} jobs")

@@ -99,3 +99,26 @@ def test_resume_continues_from_the_latest_checkpoint(smoke_run, tmp_path):
     assert rows[30]["reward/train_mean"] > 0.5  # the stale row 31 was replaced by a real one
     assert latest_checkpoint(run_dir).name == "step_32"
     assert rows[31]["perf/samples_per_s"] > 0 and rows[31]["policy/optimizer_steps"] == 10  # 160 samples / 32 x 2
+
+
+@pytest.mark.parametrize("objective, own_keys", [
+    ("gardo.paper", ["gardo/gate_frac", "gardo/beta", "gardo/kl_gated", "gardo/resets", "policy/ratio_std"]),
+    ("draft", ["reward/backprop_mean"]),
+])
+def test_new_objectives_run_through_the_services_and_log_their_diagnostics(ray_cluster, serve_port, tmp_path, objective,
+                                                                           own_keys):
+    """GARDO reads the Serve ensemble's per-model scores and features; DRaFT's learner actor loads the
+    differentiable training reward itself. Both log their own keys to metrics.jsonl and TensorBoard."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    preset = CONFIG_DIR / f"digits-{objective.replace('.', '-')}.yaml"
+    result = train(preset, [f"run.run_dir={tmp_path / 'run'}", "run.steps=2", "run.eval_every=100",
+                            "run.checkpoint_every=2", "run.eval_samples_per_class=2", "run.progress=false",
+                            "serve.port=0", "sampler.samples_per_class=4"])
+    assert result.steps_done == 2
+    rows = read_metrics(result.run_dir)
+    for key in own_keys + ["policy/grad_norm", "policy/kl_ref_monitor"]:
+        assert all(key in r for r in rows), key
+    assert rows[-1]["policy/grad_norm"] > 0
+    events = EventAccumulator(str(result.run_dir / "tensorboard")).Reload()
+    assert set(own_keys) <= set(events.Tags()["scalars"])
