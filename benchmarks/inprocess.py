@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file
 
-from reward.config import build_reward_models, differentiable_train_reward
+from reward.config import build_reward_models
 from reward.diversity import mean_pairwise_distance, nearest_neighbour_distance
 from reward.ensemble import RewardEnsemble, attach_scores
 from reward.evaluation import eval_summary
@@ -25,8 +25,8 @@ from rollout.digits import IMAGE_SHAPE, NUM_CLASSES
 from rollout.models import unet_from_weights
 from rollout.samplers import build_sampler
 from services.actors import step_seed
+from services.builders import build_learner
 from services.config import TrainConfig
-from trainer.objectives import objective_class
 from trainer.pretrain import ensure_pretrained_unet
 
 RATIO_KEYS = ("policy/ratio_mean", "policy/ratio_std", "policy/ratio_max", "policy/clip_frac", "policy/grad_norm",
@@ -47,8 +47,6 @@ def run_in_process(cfg: TrainConfig, port: int, eval_every: int = 10, threads: i
     and seeded evaluations (step 0, every `eval_every`, last)."""
     torch.set_num_threads(threads)
     init_single_rank(port)
-    from trainer.learner import DeepSpeedLearner
-
     torch.manual_seed(cfg.run.seed)
     weights = load_file(str(ensure_pretrained_unet(cfg.model, cfg.scheduler, cfg.pretrain, progress=False,
                                                    prediction=cfg.sampler.prediction)))
@@ -56,9 +54,7 @@ def run_in_process(cfg: TrainConfig, port: int, eval_every: int = 10, threads: i
     sampler = build_sampler(cfg.sampler, cfg.scheduler)
     members, monitors, feature_name = build_reward_models(cfg.reward)
     ensemble = RewardEnsemble(members, cfg.reward.train_on, monitors, next(m for m in members if m.name == feature_name))
-    backprop = objective_class(cfg.objective.name).mode == "reward_backprop"
-    learner = DeepSpeedLearner(copy.deepcopy(rollout_policy).train(), sampler, cfg.objective, cfg.learner,
-                               seed=cfg.run.seed, reward_fn=differentiable_train_reward(cfg.reward) if backprop else None)
+    learner = build_learner(cfg, copy.deepcopy(rollout_policy).train())
     gold = cfg.reward.gold.name
     classes = torch.arange(NUM_CLASSES)
 

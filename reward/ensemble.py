@@ -39,7 +39,7 @@ def normalised_ranks(scores: Tensor, group: Tensor) -> Tensor:
         idx = torch.nonzero(group == g).flatten()
         if len(idx) < 2:
             continue
-        ranks = scores[idx].argsort(dim=0).argsort(dim=0).double()
+        ranks = scores[idx].argsort(dim=0, stable=True).argsort(dim=0, stable=True).double()  # ties: index order
         out[idx] = ranks / (len(idx) - 1)
     return out
 

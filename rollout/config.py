@@ -67,9 +67,13 @@ class FlowSDESamplerConfig(SamplerBase):
     shift: float = Field(1.0, gt=0.0, description="FlowMatchEulerDiscreteScheduler's timestep shift")
 
 
+DEFAULT_SAMPLER_KIND = "ddim"
+
+
 def _sampler_kind(value: Any) -> str:
     """`kind` of a sampler section; a section without one is DDIM (the presets written before flow)."""
-    return value.get("kind", "ddim") if isinstance(value, dict) else getattr(value, "kind", "ddim")
+    default = DEFAULT_SAMPLER_KIND
+    return value.get("kind", default) if isinstance(value, dict) else getattr(value, "kind", default)
 
 
 SamplerConfig = Annotated[

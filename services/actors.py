@@ -10,7 +10,6 @@ import ray
 import torch
 from ray import serve
 
-from reward.config import differentiable_train_reward
 from reward.diversity import nearest_neighbour_distance
 from reward.ensemble import attach_scores
 from reward.evaluation import class_grid, eval_summary
@@ -18,6 +17,7 @@ from rollout.batch import RolloutBatch
 from rollout.digits import IMAGE_SHAPE, NUM_CLASSES
 from rollout.models import unet_from_weights
 from rollout.samplers import build_sampler
+from services.builders import build_learner
 from services.config import TrainConfig
 from services.reward_app import APP_NAME
 from services.runtime import redirect_output
@@ -106,15 +106,8 @@ class LearnerActor:
         _setup_process(self.cfg, Path(run_dir) / "logs" / f"learner_{rank}.log")
         os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
                           MASTER_ADDR="127.0.0.1", MASTER_PORT=str(master_port))
-        from trainer.learner import DeepSpeedLearner
-        from trainer.objectives import objective_class
-
         torch.manual_seed(self.cfg.run.seed)
-        policy = unet_from_weights(self.cfg.model, base_weights).train()
-        sampler = build_sampler(self.cfg.sampler, self.cfg.scheduler)
-        self.learner = DeepSpeedLearner(policy, sampler, self.cfg.objective, self.cfg.learner, seed=self.cfg.run.seed,
-                                        reward_fn=differentiable_train_reward(self.cfg.reward)
-                                        if objective_class(self.cfg.objective.name).mode == "reward_backprop" else None)
+        self.learner = build_learner(self.cfg, unet_from_weights(self.cfg.model, base_weights).train())
 
     def ready(self) -> bool:
         return True

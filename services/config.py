@@ -8,9 +8,9 @@ import yaml
 from pydantic import Field, ValidationError
 
 from reward.config import RewardConfig
-from rollout.config import DDIMSamplerConfig, SamplerConfig, SchedulerConfig, StrictModel, UNetConfig
+from rollout.config import DEFAULT_SAMPLER_KIND, DDIMSamplerConfig, SamplerConfig, SchedulerConfig, StrictModel, UNetConfig
 from rollout.digits import NUM_CLASSES
-from trainer.config import LearnerConfig, ObjectiveConfig
+from trainer.config import DEFAULT_OBJECTIVE, LearnerConfig, ObjectiveConfig
 from trainer.objectives.grpo import GRPOSettings
 from trainer.pretrain import PretrainConfig
 
@@ -93,16 +93,18 @@ def parse_override(text: str) -> tuple[str, Any]:
     return key, value
 
 
+# Sections whose first key picks a model with its own settings: switching it starts the section afresh
+# (a GRPO preset's eps_clip must not leak into an objective without one).
+SWITCHES = {"objective": ("name", DEFAULT_OBJECTIVE), "sampler": ("kind", DEFAULT_SAMPLER_KIND)}
+
+
 def _where(loc: tuple[Any, ...]) -> str:
     """Dotted field path; the tag pydantic puts after a discriminated section (`objective.grpo.x`)
     becomes a note (`objective.x (objective 'grpo')`)."""
     parts = [str(p) for p in loc]
-    if len(parts) >= 3 and parts[0] in TAGGED_SECTIONS:
+    if len(parts) >= 3 and parts[0] in SWITCHES:
         return ".".join([parts[0]] + parts[2:]) + f" ({parts[0]} {parts[1]!r})"
     return ".".join(parts) or "(root)"
-
-
-TAGGED_SECTIONS = ("objective", "sampler")
 
 
 def format_validation_error(err: ValidationError) -> str:
@@ -112,11 +114,6 @@ def format_validation_error(err: ValidationError) -> str:
         lines.append(f"  {where}: {e['msg']}" + (f" (got {e['input']!r})" if e["type"] != "extra_forbidden" and
                                                   not isinstance(e.get("input"), dict) else ""))
     return "invalid config:\n" + "\n".join(lines)
-
-
-# Sections whose first key picks a model with its own settings: switching it starts the section afresh
-# (a GRPO preset's eps_clip must not leak into an objective without one).
-SWITCHES = {"objective": ("name", "grpo"), "sampler": ("kind", "ddim")}
 
 
 def _switched(section: str, old: dict[str, Any], new: dict[str, Any]) -> bool:

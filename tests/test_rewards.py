@@ -95,7 +95,7 @@ def test_in_process_ensemble_scores_real_digits(models):
     for g in np.unique(groups):
         rows = np.flatnonzero(groups == g)
         if len(rows) > 1:
-            ranks = scores[rows].argsort(axis=0).argsort(axis=0) / (len(rows) - 1)
+            ranks = scores[rows].argsort(axis=0, kind="stable").argsort(axis=0, kind="stable") / (len(rows) - 1)
             expected[rows] = ranks.std(axis=1)
     assert np.allclose(out.uncertainty.double().numpy(), expected, atol=1e-6)
     assert float(out.uncertainty.max()) > 0  # the members do disagree on some real digits

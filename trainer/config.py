@@ -9,9 +9,13 @@ from rollout.config import StrictModel
 from trainer.objectives import settings_types
 
 
+DEFAULT_OBJECTIVE = "grpo"
+
+
 def _objective_name(value: Any) -> str:
     """`name` of an objective section; a section without one is GRPO."""
-    return value.get("name", "grpo") if isinstance(value, dict) else getattr(value, "name", "grpo")
+    default = DEFAULT_OBJECTIVE
+    return value.get("name", default) if isinstance(value, dict) else getattr(value, "name", default)
 
 
 # A discriminated union on `name`: each objective validates only its own keys.

@@ -18,7 +18,7 @@ the pieces without rescaling them.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, ClassVar, Literal, Protocol
 
 import torch
@@ -68,7 +68,6 @@ class StepInputs:
     kl_ref: Tensor | None = None  # [b] KL(pi_theta || pi_ref) at the step, with grad (when requested)
     micro: RolloutBatch | None = None  # the micro-batch (uncertainty, features, extras)
     reduce: str = "mean"  # the sampler's pixel reduction of log-probs and KLs
-    extras: dict[str, Tensor] = field(default_factory=dict)
 
 
 @dataclass

@@ -1,0 +1,19 @@
+"""Plain builders from a run's config, shared by the actors and the in-process benchmarks (no Ray here)."""
+from __future__ import annotations
+
+from torch import nn
+
+from reward.config import differentiable_train_reward
+from rollout.samplers import build_sampler
+from services.config import TrainConfig
+
+
+def build_learner(cfg: TrainConfig, policy: nn.Module):
+    """The DeepSpeed learner for `cfg` (its rank's environment must be set); reward back-propagation
+    objectives get the training reward as a differentiable function."""
+    from trainer.learner import DeepSpeedLearner
+    from trainer.objectives import objective_class
+
+    backprop = objective_class(cfg.objective.name).mode == "reward_backprop"
+    return DeepSpeedLearner(policy, build_sampler(cfg.sampler, cfg.scheduler), cfg.objective, cfg.learner,
+                            seed=cfg.run.seed, reward_fn=differentiable_train_reward(cfg.reward) if backprop else None)
