@@ -26,6 +26,7 @@ resets every 16 updates).
 """
 from __future__ import annotations
 
+from abc import abstractmethod
 from typing import Literal
 
 import torch
@@ -120,8 +121,9 @@ class GARDOBase(PolicyGradientObjective):
     def needs_reference(self) -> bool:
         return True
 
+    @abstractmethod
     def gate(self, batch: RolloutBatch) -> tuple[Tensor, dict[str, float]]:
-        raise NotImplementedError
+        """[B] bool: the samples that pay the KL this update, and metrics."""
 
     def prepare_batch(self, batch: RolloutBatch) -> tuple[RolloutBatch, dict[str, float]]:
         gate, metrics = self.gate(batch)
