@@ -27,26 +27,19 @@ from rollout.samplers import build_sampler
 from services.actors import step_seed
 from services.builders import build_learner
 from services.config import TrainConfig
+from services.runtime import set_rank_env
 from trainer.pretrain import ensure_pretrained_unet
 
 RATIO_KEYS = ("policy/ratio_mean", "policy/ratio_std", "policy/ratio_max", "policy/clip_frac", "policy/grad_norm",
               "policy/kl_ref_monitor")
 
 
-def init_single_rank(port: int) -> None:
-    """The environment one DeepSpeed rank needs (gloo on CPU)."""
-    from rollout.cache import torch_extensions_dir
-
-    os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(torch_extensions_dir()))
-    os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-
-
 def run_in_process(cfg: TrainConfig, port: int, eval_every: int = 10, threads: int = 1) -> dict[str, Any]:
     """Train `cfg.run.steps` steps; returns per-step rows (proxy, gold, diversity, ratio statistics)
     and seeded evaluations (step 0, every `eval_every`, last)."""
     torch.set_num_threads(threads)
-    init_single_rank(port)
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    set_rank_env(port)
     torch.manual_seed(cfg.run.seed)
     weights = load_file(str(ensure_pretrained_unet(cfg.model, cfg.scheduler, cfg.pretrain, progress=False,
                                                    prediction=cfg.sampler.prediction)))

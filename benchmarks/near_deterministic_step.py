@@ -20,7 +20,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.hacking import preset, run_all, write_results  # noqa: E402
+from benchmarks.compare import preset, run_all, write_results  # noqa: E402
 
 VARIANTS = [
     ("grpo, min_std 0", "grpo", ["objective.train_min_std=0"]),

@@ -1,10 +1,9 @@
 """Reward settings and the factory that builds the named reward models."""
 from __future__ import annotations
 
-from typing import Callable, Literal
+from typing import Callable
 
 import torch
-
 from pydantic import Field, model_validator
 from rich.console import Console
 from rich.table import Table

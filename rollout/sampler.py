@@ -119,13 +119,10 @@ class GaussianStepSampler(ABC):
         traj, logps = [x], []
         for k in range(T):
             dist = self.step_distribution(policy, x, torch.full((B,), k, dtype=torch.long), cond)
-            if self.trainable[k]:
-                noise = torch.randn(x.shape, generator=generator, dtype=dtype)
-                x = dist.mean + dist.std.view(-1, *([1] * (x.dim() - 1))) * noise
-                logps.append(dist.log_prob(x, self.reduce))
-            else:
-                x = dist.mean
-                logps.append(torch.zeros(B, dtype=dtype))
+            stochastic = bool(self.trainable[k])
+            noise = torch.randn(x.shape, generator=generator, dtype=dtype) if stochastic else None
+            x = self._advance(dist, k, noise)
+            logps.append(dist.log_prob(x, self.reduce) if stochastic else torch.zeros(B, dtype=dtype))
             traj.append(x)
         return RolloutBatch(cond=cond, group=group, samples=x, traj=torch.stack(traj, dim=1),
                             old_logp=torch.stack(logps, dim=1), timesteps=self.timesteps.clone(),
@@ -170,5 +167,11 @@ class GaussianStepSampler(ABC):
         x = batch.traj[:, first_step]
         for k, z in zip(range(first_step, len(self.timesteps)), noise):
             dist = self.step_distribution(policy, x, torch.full((len(batch),), k, dtype=torch.long), batch.cond)
-            x = dist.mean + dist.std.view(-1, *([1] * (x.dim() - 1))) * z if self.trainable[k] else dist.mean
+            x = self._advance(dist, k, z)
         return x
+
+    def _advance(self, dist: StepDistribution, step: int, noise: Tensor | None) -> Tensor:
+        """x_next = mean + std * noise at a stochastic step; the mean at a deterministic one."""
+        if not bool(self.trainable[step]) or noise is None:
+            return dist.mean
+        return dist.mean + dist.std.view(-1, *([1] * (dist.mean.dim() - 1))) * noise

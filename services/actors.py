@@ -20,7 +20,7 @@ from rollout.samplers import build_sampler
 from services.builders import build_learner
 from services.config import TrainConfig
 from services.reward_app import APP_NAME
-from services.runtime import redirect_output
+from services.runtime import redirect_output, set_rank_env
 
 
 def _setup_process(cfg: TrainConfig, log_file: Path) -> None:
@@ -104,8 +104,7 @@ class LearnerActor:
                  rank: int = 0, world_size: int = 1):
         self.cfg = TrainConfig.model_validate(cfg)
         _setup_process(self.cfg, Path(run_dir) / "logs" / f"learner_{rank}.log")
-        os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
-                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(master_port))
+        set_rank_env(master_port, rank, world_size)
         torch.manual_seed(self.cfg.run.seed)
         self.learner = build_learner(self.cfg, unet_from_weights(self.cfg.model, base_weights).train())
 

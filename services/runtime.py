@@ -22,6 +22,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def set_rank_env(master_port: int, rank: int = 0, world_size: int = 1, master_addr: str = "127.0.0.1") -> None:
+    """The environment one DeepSpeed rank of this process needs (gloo on CPU), and the cached compiled ops."""
+    os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(torch_extensions_dir()))
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), MASTER_ADDR=master_addr,
+                      MASTER_PORT=str(master_port))
+
+
 def worker_env() -> dict[str, str]:
     """Environment every actor gets: offline hub, the shared cache and compiled-op dirs."""
     env = dict(OFFLINE_ENV)

@@ -1,7 +1,6 @@
 """GARDO (paper and seed forms): each piece against an independent numpy/scipy reference, plus one real learner."""
 from __future__ import annotations
 
-import os
 
 import numpy as np
 import pytest
@@ -277,16 +276,13 @@ def test_state_survives_state_dict_into_a_fresh_objective():
 
 # ---------------------------------------------------------------- the real learner
 def test_gardo_paper_in_the_deepspeed_learner_resets_the_reference_on_schedule():
-    from rollout.cache import torch_extensions_dir
     from rollout.config import DDIMSamplerConfig, SchedulerConfig, UNetConfig
     from rollout.ddim import DDIMLogProbSampler
     from rollout.models import build_scheduler, build_unet
-    from services.runtime import free_port
+    from services.runtime import free_port, set_rank_env
     from trainer.config import LearnerConfig
 
-    os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(torch_extensions_dir()))
-    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=os.environ.get("MASTER_PORT") or str(free_port()))
+    set_rank_env(free_port())
     from trainer.learner import DeepSpeedLearner
 
     torch.manual_seed(0)

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import copy
 import math
-import os
 
 import pytest
 import torch
@@ -13,7 +12,7 @@ from rollout.ddim import DDIMLogProbSampler
 from rollout.flow_sde import FlowSDESampler
 from rollout.models import build_scheduler, build_unet
 from rollout.sampler import gaussian_logp
-from services.runtime import free_port
+from services.runtime import free_port, set_rank_env
 from trainer.config import LearnerConfig
 from trainer.objectives import StepInputs, build_objective
 from trainer.objectives.grpo_guard import GRPOGuardPaperSettings, normalised_log_ratio
@@ -24,11 +23,7 @@ F64 = torch.float64
 
 
 def make_learner(sampler, settings, lr=1e-3, micro=8, optim=None, reward_fn=None, seed=0):
-    from rollout.cache import torch_extensions_dir
-
-    os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(torch_extensions_dir()))
-    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(free_port()))
+    set_rank_env(free_port())
     from trainer.learner import DeepSpeedLearner
 
     torch.manual_seed(seed)

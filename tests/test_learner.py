@@ -1,7 +1,6 @@
 """The DeepSpeed learner on CPU (gloo): old-logp recompute, exact no-op, learning direction, checkpoints."""
 from __future__ import annotations
 
-import os
 
 import pytest
 import torch
@@ -9,7 +8,7 @@ import torch
 from rollout.config import DDIMSamplerConfig, SchedulerConfig, UNetConfig
 from rollout.ddim import DDIMLogProbSampler
 from rollout.models import build_scheduler, build_unet
-from services.runtime import free_port
+from services.runtime import free_port, set_rank_env
 from trainer.config import LearnerConfig
 from trainer.objectives.grpo import GRPOSettings
 
@@ -18,10 +17,7 @@ TINY = UNetConfig(block_out_channels=(8, 16), norm_num_groups=4)
 
 @pytest.fixture(scope="module")
 def learner():
-    from rollout.cache import torch_extensions_dir
-
-    os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(torch_extensions_dir()))
-    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    set_rank_env(free_port())
     from trainer.learner import DeepSpeedLearner
 
     torch.manual_seed(0)

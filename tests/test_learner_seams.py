@@ -1,7 +1,6 @@
 """One learner, any image sampler and any objective: the same update on both families, state that resumes."""
 from __future__ import annotations
 
-import os
 
 import pytest
 import torch
@@ -9,7 +8,7 @@ import torch
 from rollout.config import DDIMSamplerConfig, FlowSDESamplerConfig, SchedulerConfig, UNetConfig
 from rollout.models import build_unet
 from rollout.samplers import build_sampler
-from services.runtime import free_port
+from services.runtime import free_port, set_rank_env
 from trainer.config import LearnerConfig
 
 TINY = UNetConfig(block_out_channels=(8, 16), norm_num_groups=4)
@@ -18,10 +17,7 @@ FAMILIES = {"ddim": DDIMSamplerConfig(num_steps=5), "flow_sde": FlowSDESamplerCo
 
 @pytest.fixture(scope="module", autouse=True)
 def single_rank():
-    from rollout.cache import torch_extensions_dir
-
-    os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(torch_extensions_dir()))
-    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    set_rank_env(free_port())
 
 
 def make_learner(sampler_cfg, objective_cfg, seed=0, **learner_kw):

@@ -7,7 +7,6 @@ so grad log pi_j = g_j is known and every gradient can be checked against a clos
 from __future__ import annotations
 
 import math
-import os
 
 import pytest
 import torch
@@ -238,13 +237,11 @@ def test_a_bad_objective_key_fails_at_config_load_naming_the_field():
 # ---------------------------------------------------------------- the real learner
 @pytest.fixture(scope="module", params=["stabledrl.paper", "stabledrl.code"])
 def learner(request):
-    from rollout.cache import torch_extensions_dir
     from rollout.ddim import DDIMLogProbSampler
-    from services.runtime import free_port
+    from services.runtime import free_port, set_rank_env
     from trainer.config import LearnerConfig
 
-    os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(torch_extensions_dir()))
-    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    set_rank_env(free_port())
     from trainer.learner import DeepSpeedLearner
 
     torch.manual_seed(0)

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Any, ClassVar, Literal, Protocol
+from typing import ClassVar, Literal, Protocol
 
 import torch
 from pydantic import Field

@@ -1,0 +1,137 @@
+"""Side-by-side comparison runs: (variant, seed) pairs in parallel processes, then one table and one plot.
+
+Shared by benchmarks/hacking.py and benchmarks/near_deterministic_step.py. A variant is
+(label, objective preset, overrides); each run goes through benchmarks/inprocess.py.
+"""
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from concurrent.futures import ProcessPoolExecutor
+from multiprocessing import get_context
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def preset(method: str) -> Path:
+    return ROOT / "configs" / f"digits-{method.replace('.', '-').replace('_', '-')}.yaml"
+
+
+def one_run(label: str, method: str, seed: int, overrides: list[str], port: int, eval_every: int) -> dict[str, Any]:
+    """One (variant, seed) run in this process; `label` names the variant in tables and plots."""
+    from benchmarks.inprocess import run_in_process
+    from services.config import load_config
+
+    cfg = load_config(preset(method), [f"run.seed={seed}", *overrides])
+    t0 = time.perf_counter()
+    out = run_in_process(cfg, port, eval_every=eval_every)
+    return {"method": label, "objective": method, "seed": seed, "overrides": overrides,
+            "wall_s": time.perf_counter() - t0, **out}
+
+
+def run_all(variants: list[tuple[str, str, list[str]]], seeds: list[int], jobs: int, eval_every: int) -> list[dict[str, Any]]:
+    """Every (label, method, overrides) variant for every seed, `jobs` processes at a time."""
+    from services.runtime import free_port
+
+    todo = [(label, method, seed, overrides) for seed in seeds for label, method, overrides in variants]
+    t0 = time.perf_counter()
+    runs: list[dict[str, Any]] = []
+    with ProcessPoolExecutor(max_workers=jobs, mp_context=get_context("spawn")) as pool:
+        futures = [pool.submit(one_run, label, method, seed, overrides, free_port(), eval_every)
+                   for label, method, seed, overrides in todo]
+        for (label, _, seed, _), fut in zip(todo, futures):
+            runs.append(fut.result())
+            first, last = runs[-1]["evals"][0], runs[-1]["evals"][-1]
+            print(f"[{time.perf_counter() - t0:7.0f}s] {label} seed {seed}: gold {first['gold_accuracy']:.1%} -> "
+                  f"{last['gold_accuracy']:.1%}, proxy {first['proxy_mean']:.3f} -> {last['proxy_mean']:.3f}, "
+                  f"nn diversity {first['diversity_nn']:.2f} -> {last['diversity_nn']:.2f}", flush=True)
+    return runs
+
+
+def write_results(runs: list[dict[str, Any]], setting: str, out: Path, extra: dict[str, Any] | None = None) -> str:
+    """results.json, table.md and curves.png in `out`; returns the markdown table."""
+    summary = summarise(runs)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps({"setting": setting, **(extra or {}), "summary": summary,
+                                                  "runs": runs}, indent=1))
+    table = markdown_table(summary, runs[0]["evals"][0], setting)
+    (out / "table.md").write_text(table)
+    plot(runs, out / "curves.png")
+    return table
+
+
+def summarise(runs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Per method: final eval (mean, std over seeds) and change from the base model (step-0 eval)."""
+    keys = ("gold_accuracy", "proxy_mean", "diversity_nn", "diversity_pairwise")
+    out: dict[str, dict[str, Any]] = {}
+    for method in dict.fromkeys(r["method"] for r in runs):
+        mine = [r for r in runs if r["method"] == method]
+        entry: dict[str, Any] = {"seeds": len(mine)}
+        for k in keys:
+            final = [r["evals"][-1][k] for r in mine]
+            delta = [r["evals"][-1][k] - r["evals"][0][k] for r in mine]
+            entry[k] = (statistics.mean(final), statistics.pstdev(final))
+            entry[f"delta_{k}"] = (statistics.mean(delta), statistics.pstdev(delta))
+        entry["ratio_std"] = statistics.mean(statistics.mean(row.get("policy/ratio_std", 0.0) for row in r["rows"])
+                                             for r in mine)
+        entry["ratio_max"] = max(max(row.get("policy/ratio_max", 0.0) for row in r["rows"]) for r in mine)
+        entry["step_s"] = statistics.mean(statistics.mean(row["step_s"] for row in r["rows"]) for r in mine)
+        out[method] = entry
+    return out
+
+
+def markdown_table(summary: dict[str, dict[str, Any]], base: dict[str, float], setting: str) -> str:
+    def pm(v: tuple[float, float], pct: bool = False) -> str:
+        return f"{v[0]:.1%} ± {v[1]:.1%}" if pct else f"{v[0]:.3f} ± {v[1]:.3f}"
+
+    def delta(v: tuple[float, float], pct: bool = False) -> str:
+        return f"{v[0]:+.1%}" if pct else f"{v[0]:+.2f}"
+
+    lines = [f"Setting: {setting}", "",
+             f"Base model: gold {base['gold_accuracy']:.1%}, proxy {base['proxy_mean']:.3f}, "
+             f"diversity nn {base['diversity_nn']:.2f}, pairwise {base['diversity_pairwise']:.2f}", "",
+             "| method | gold acc. (Δ) | proxy (Δ) | diversity nn (Δ) | diversity pairwise (Δ) | mean ratio std "
+             "| max ratio | s/step |",
+             "|---|---|---|---|---|---|---|---|"]
+    for m, e in summary.items():
+        lines.append(
+            f"| {m} | {pm(e['gold_accuracy'], True)} ({delta(e['delta_gold_accuracy'], True)}) "
+            f"| {pm(e['proxy_mean'])} ({delta(e['delta_proxy_mean'])}) "
+            f"| {pm(e['diversity_nn'])} ({delta(e['delta_diversity_nn'])}) "
+            f"| {pm(e['diversity_pairwise'])} ({delta(e['delta_diversity_pairwise'])}) "
+            f"| {e['ratio_std']:.2e} | {e['ratio_max']:.3f} | {e['step_s']:.2f} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(runs: list[dict[str, Any]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    panels = [("proxy", "proxy reward (train batch)"), ("gold_accuracy", "gold accuracy (train batch)"),
+              ("diversity_nn", "diversity: nearest-neighbour"), ("diversity_pairwise", "diversity: pairwise")]
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.6))
+    for i, method in enumerate(dict.fromkeys(r["method"] for r in runs)):
+        mine = [r for r in runs if r["method"] == method]
+        steps = [row["step"] for row in mine[0]["rows"]]
+        for ax, (key, title) in zip(axes, panels):
+            vals = np.array([[row[key] for row in r["rows"]] for r in mine])
+            kernel = np.ones(5) / 5  # 5-step moving average, edges kept
+            smooth = np.array([np.convolve(np.pad(v, 2, mode="edge"), kernel, "valid") for v in vals])
+            mean, lo, hi = smooth.mean(0), smooth.min(0), smooth.max(0)
+            ax.plot(steps, mean, label=method, color=f"C{i}")
+            ax.fill_between(steps, lo, hi, color=f"C{i}", alpha=0.15)
+            ax.set_title(title, fontsize=9)
+    for ax in axes:
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=7)
+    fig.suptitle("hacking benchmark: mean over seeds (5-step moving average), band = min..max over seeds", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
