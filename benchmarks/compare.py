@@ -17,6 +17,10 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def preset(method: str) -> Path:
+    """A method's digits preset (`grpo_guard.paper` -> configs/digits-grpo-guard-paper.yaml), or a path to a
+    preset given directly (`configs/arith-bgpo.yaml`)."""
+    if method.endswith(".yaml"):
+        return ROOT / method
     return ROOT / "configs" / f"digits-{method.replace('.', '-').replace('_', '-')}.yaml"
 
 
@@ -46,8 +50,8 @@ def run_all(variants: list[tuple[str, str, list[str]]], seeds: list[int], jobs: 
             runs.append(fut.result())
             first, last = runs[-1]["evals"][0], runs[-1]["evals"][-1]
             print(f"[{time.perf_counter() - t0:7.0f}s] {label} seed {seed}: gold {first['gold_accuracy']:.1%} -> "
-                  f"{last['gold_accuracy']:.1%}, proxy {first['proxy_mean']:.3f} -> {last['proxy_mean']:.3f}, "
-                  f"nn diversity {first['diversity_nn']:.2f} -> {last['diversity_nn']:.2f}", flush=True)
+                  f"{last['gold_accuracy']:.1%}, proxy {first['proxy_mean']:.3f} -> {last.get('proxy_mean', 0):.3f}, "
+                  f"nn diversity {first['diversity_nn']:.2f} -> {last.get('diversity_nn', 0):.2f}", flush=True)
     return runs
 
 

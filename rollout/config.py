@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, ClassVar, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator, model_validator
 
 
 class StrictModel(BaseModel):
@@ -67,6 +67,41 @@ class FlowSDESamplerConfig(SamplerBase):
     shift: float = Field(1.0, gt=0.0, description="FlowMatchEulerDiscreteScheduler's timestep shift")
 
 
+class MaskedDiffusionSamplerConfig(SamplerBase):
+    """LLaDA-style masked-diffusion generation and the likelihood estimator its ratios use (dLLMs).
+    `num_steps` are denoising steps over the whole completion; a training "step" is one MC mask sample."""
+
+    kind: Literal["masked_diffusion"] = "masked_diffusion"
+    prediction: ClassVar[str] = "tokens"
+    num_steps: int = Field(4, ge=1, le=4096, description="denoising steps (a multiple of the number of blocks)")
+    gen_length: int = Field(4, ge=1, description="completion tokens (fixed; the answer, then <eos>)")
+    block_length: int | None = Field(None, ge=1, description="semi-autoregressive block; None = gen_length")
+    remasking: Literal["low_confidence", "random"] = "low_confidence"
+    temperature: float = Field(1.0, ge=0, description="Gumbel-noise temperature; 0 = greedy (deterministic)")
+    cfg_scale: float = Field(0.0, ge=0, description="classifier-free guidance w: u + (w + 1)(c - u); 0 = off")
+    estimator: Literal["elbo", "coupled", "one_step"] = Field(
+        "elbo", description="sequence log-likelihood estimator (rollout/likelihood.py)")
+    mc_samples: int = Field(2, ge=1, le=256, description="n Monte-Carlo mask samples per sequence")
+    masks: Literal["shared", "independent"] = Field(
+        "shared", description="shared: old, new and reference policy see the rollout's masks (DESIGN §3); "
+        "independent: every likelihood evaluation draws its own (StableDRL's noisy-ratio setting)")
+    prompt_mask_prob: float = Field(0.15, ge=0, lt=1, description="one_step (d1): prompt tokens masked with this p")
+    logp_reduce: Literal["mean", "sum"] = Field(
+        "mean", description="sum: the estimate of log pi(y|x); mean: divided by gen_length (mean log-prob over "
+        "the masked tokens for the elbo estimator, the per-sample form of SPG's code)")
+    samples_per_class: int = Field(8, ge=2, description="group size: completions per prompt")
+
+    @model_validator(mode="after")
+    def _blocks(self) -> "MaskedDiffusionSamplerConfig":
+        block = self.block_length or self.gen_length
+        if self.gen_length % block:
+            raise ValueError(f"gen_length={self.gen_length} must be a multiple of block_length={block}")
+        if self.num_steps % (self.gen_length // block):
+            raise ValueError(f"num_steps={self.num_steps} must be a multiple of the number of blocks "
+                             f"({self.gen_length // block})")
+        return self
+
+
 DEFAULT_SAMPLER_KIND = "ddim"
 
 
@@ -77,6 +112,7 @@ def _sampler_kind(value: Any) -> str:
 
 
 SamplerConfig = Annotated[
-    Union[Annotated[DDIMSamplerConfig, Tag("ddim")], Annotated[FlowSDESamplerConfig, Tag("flow_sde")]],
+    Union[Annotated[DDIMSamplerConfig, Tag("ddim")], Annotated[FlowSDESamplerConfig, Tag("flow_sde")],
+          Annotated[MaskedDiffusionSamplerConfig, Tag("masked_diffusion")]],
     Discriminator(_sampler_kind),
 ]

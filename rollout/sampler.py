@@ -55,11 +55,13 @@ class StepDistribution:
 
 @dataclass
 class StepLogProb:
-    """A recomputed step: log-prob [B] of the stored transition and the distribution it came from."""
+    """A recomputed step: log-prob [B] of the stored transition and the distribution it came from
+    (Gaussian samplers: mean and std; masked diffusion: the estimator's per-token terms in `tokens`)."""
 
     logp: Tensor
-    mean: Tensor
-    std: Tensor
+    mean: Tensor | None
+    std: Tensor | None
+    tokens: Any = None
 
 
 class GaussianStepSampler(ABC):
@@ -147,10 +149,13 @@ class GaussianStepSampler(ABC):
         step = self._steps(batch, step)
         return self.step_distribution(policy, batch.traj[torch.arange(len(batch)), step], step, batch.cond)
 
-    def kl(self, mean_p: Tensor, mean_q: Tensor, std: Tensor) -> Tensor:
-        """KL(N(mean_p, std^2) || N(mean_q, std^2)) per sample [B], in the sampler's pixel reduction."""
-        return reduce_pixels((mean_p - mean_q) ** 2 / (2 * std.view(-1, *([1] * (mean_p.dim() - 1))) ** 2),
-                             self.reduce)
+    sequence_level = False  # each step is its own ratio (masked diffusion: the mean over steps is one)
+
+    def kl(self, new: StepLogProb, ref: StepLogProb) -> Tensor:
+        """KL(N(mean_new, std^2) || N(mean_ref, std^2)) per sample [B] at one step (the reference's std;
+        both policies share it), in the sampler's pixel reduction."""
+        std = ref.std.view(-1, *([1] * (new.mean.dim() - 1)))
+        return reduce_pixels((new.mean - ref.mean) ** 2 / (2 * std**2), self.reduce)
 
     @torch.no_grad()
     def recorded_noise(self, policy: ConditionalModel, batch: RolloutBatch, step: int) -> Tensor:

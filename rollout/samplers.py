@@ -1,19 +1,27 @@
 """Build a sampler from its config's `kind` (the learner and the actors never name a concrete sampler)."""
 from __future__ import annotations
 
-from rollout.config import DDIMSamplerConfig, FlowSDESamplerConfig, SamplerBase, SchedulerConfig
-from rollout.sampler import GaussianStepSampler
+from rollout.config import (DDIMSamplerConfig, FlowSDESamplerConfig, MaskedDiffusionSamplerConfig, SamplerBase,
+                            SchedulerConfig)
 
 
-def build_sampler(cfg: SamplerBase, scheduler: SchedulerConfig) -> GaussianStepSampler:
-    """DDIM (epsilon model) or flow-SDE (velocity model), by `cfg.kind`."""
+def build_sampler(cfg: SamplerBase, scheduler: SchedulerConfig | None = None, mask_token_id: int | None = None,
+                  seed: int = 0):
+    """DDIM (epsilon model), flow-SDE (velocity model) or masked diffusion (a masked LM), by `cfg.kind`."""
     if isinstance(cfg, DDIMSamplerConfig):
         from rollout.ddim import DDIMLogProbSampler
         from rollout.models import build_scheduler
 
-        return DDIMLogProbSampler(cfg, build_scheduler(scheduler))
+        return DDIMLogProbSampler(cfg, build_scheduler(scheduler or SchedulerConfig()))
     if isinstance(cfg, FlowSDESamplerConfig):
         from rollout.flow_sde import FlowSDESampler
 
-        return FlowSDESampler(cfg, scheduler)
-    raise ValueError(f"sampler.kind={getattr(cfg, 'kind', None)!r} is not a known sampler (ddim, flow_sde)")
+        return FlowSDESampler(cfg, scheduler or SchedulerConfig())
+    if isinstance(cfg, MaskedDiffusionSamplerConfig):
+        from rollout.masked_diffusion import MaskedDiffusionSampler
+
+        if mask_token_id is None:
+            raise ValueError("sampler.kind='masked_diffusion' needs the model's mask token id")
+        return MaskedDiffusionSampler(cfg, mask_token_id, seed)
+    raise ValueError(f"sampler.kind={getattr(cfg, 'kind', None)!r} is not a known sampler "
+                     "(ddim, flow_sde, masked_diffusion)")

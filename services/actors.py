@@ -10,17 +10,13 @@ import ray
 import torch
 from ray import serve
 
-from reward.diversity import nearest_neighbour_distance
 from reward.ensemble import attach_scores
-from reward.evaluation import class_grid, eval_summary
 from rollout.batch import RolloutBatch
-from rollout.digits import IMAGE_SHAPE, NUM_CLASSES
-from rollout.models import unet_from_weights
-from rollout.samplers import build_sampler
 from services.builders import build_learner
 from services.config import TrainConfig
 from services.reward_app import APP_NAME
 from services.runtime import redirect_output, set_rank_env
+from services.testbeds import build_testbed
 
 
 def _setup_process(cfg: TrainConfig, log_file: Path) -> None:
@@ -35,17 +31,17 @@ def step_seed(seed: int, step: int, worker: int) -> int:
 
 @ray.remote
 class RolloutWorker:
-    """Holds a policy copy; samples groups per class and scores them through the Serve ensemble."""
+    """Holds a policy copy; samples groups for its share of the testbed's prompts and scores them
+    through the Serve ensemble."""
 
-    def __init__(self, cfg: dict[str, Any], base_weights: dict[str, torch.Tensor], classes: list[int], index: int,
-                 run_dir: str, group_offset: int = 0):
+    def __init__(self, cfg: dict[str, Any], base_weights: dict[str, torch.Tensor], index: int, n_workers: int,
+                 run_dir: str):
         self.cfg = TrainConfig.model_validate(cfg)
         _setup_process(self.cfg, Path(run_dir) / "logs" / f"rollout_{index}.log")
-        self.index = index
-        self.class_ids = torch.tensor(classes, dtype=torch.long)
-        self.group_offset = group_offset
-        self.policy = unet_from_weights(self.cfg.model, base_weights)
-        self.sampler = build_sampler(self.cfg.sampler, self.cfg.scheduler)
+        self.index, self.n_workers = index, n_workers
+        self.testbed = build_testbed(self.cfg)
+        self.policy = self.testbed.build_policy(base_weights)
+        self.sampler = self.testbed.build_sampler()
         self.reward = serve.get_app_handle(APP_NAME)
 
     def _score(self, batch: RolloutBatch) -> tuple[RolloutBatch, Any]:
@@ -56,27 +52,15 @@ class RolloutWorker:
     def generate(self, step: int) -> tuple[RolloutBatch, dict[str, float]]:
         """(batch for the learner, small summary for the driver)."""
         gen = torch.Generator().manual_seed(step_seed(self.cfg.run.seed, step, self.index))
+        prompts, group_offset = self.testbed.train_prompts(self.index, self.n_workers, step)
         t0 = time.perf_counter()
-        batch = self.sampler.sample(self.policy, self.class_ids, self.cfg.sampler.samples_per_class, gen,
-                                    sample_shape=IMAGE_SHAPE, group_offset=self.group_offset)
+        batch = self.sampler.sample(self.policy, prompts, self.cfg.sampler.samples_per_class, gen,
+                                    group_offset=group_offset)
         t1 = time.perf_counter()
         batch, scores = self._score(batch)
         t2 = time.perf_counter()
-        gold = self.cfg.reward.gold.name
-        summary = {
-            "reward/train_mean": float(scores.reward.mean()),
-            "reward/ensemble_mean": float(scores.mean.mean()),
-            "reward/ensemble_std": float(scores.std.mean()),
-            "reward/uncertainty_mean": float(scores.uncertainty.mean()),
-            "reward/gold_mean": float(scores.monitors[gold].mean()),
-            "reward/gold_accuracy": float(scores.monitors[f"{gold}_correct"].mean()),
-            "diversity/nn_distance": float(nearest_neighbour_distance(scores.features, batch.group).mean()),
-            "timing_s/rollout": t1 - t0,
-            "timing_s/reward": t2 - t1,
-            "n": float(len(batch)),
-        }
-        for name, col in zip(scores.names, scores.scores.T):
-            summary[f"reward/{name}"] = float(col.mean())
+        summary = self.testbed.rollout_summary(batch, scores)
+        summary.update({"timing_s/rollout": t1 - t0, "timing_s/reward": t2 - t1, "n": float(len(batch))})
         return batch, summary
 
     def ready(self) -> bool:
@@ -85,15 +69,13 @@ class RolloutWorker:
     def set_weights(self, weights: dict[str, torch.Tensor]) -> None:
         self.policy.load_state_dict(weights)
 
-    def evaluate(self, n_per_class: int, seed: int, grid_per_class: int = 8) -> dict[str, Any]:
-        """Gold accuracy per class, proxy reward and diversity on seeded samples; a small sample grid."""
+    def evaluate(self, seed: int) -> dict[str, Any]:
+        """The testbed's held-out evaluation on seeded samples (accuracy, reward, diversity, a picture)."""
         gen = torch.Generator().manual_seed(seed)
-        batch = self.sampler.sample(self.policy, torch.arange(NUM_CLASSES), n_per_class, gen,
-                                    sample_shape=IMAGE_SHAPE)
+        batch = self.testbed.eval_sampler().sample(self.policy, self.testbed.eval_prompts(),
+                                                   self.testbed.eval_per_prompt, gen)
         batch, scores = self._score(batch)
-        result = eval_summary(batch.cond, batch.group, scores, self.cfg.reward.gold.name, NUM_CLASSES)
-        result["grid"] = class_grid(batch.samples, NUM_CLASSES, grid_per_class)
-        return result
+        return self.testbed.eval_summary(batch, scores)
 
 
 @ray.remote
@@ -106,7 +88,8 @@ class LearnerActor:
         _setup_process(self.cfg, Path(run_dir) / "logs" / f"learner_{rank}.log")
         set_rank_env(master_port, rank, world_size)
         torch.manual_seed(self.cfg.run.seed)
-        self.learner = build_learner(self.cfg, unet_from_weights(self.cfg.model, base_weights).train())
+        testbed = build_testbed(self.cfg)
+        self.learner = build_learner(self.cfg, testbed.build_policy(base_weights).train(), testbed.build_sampler())
 
     def ready(self) -> bool:
         return True

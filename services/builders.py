@@ -8,12 +8,14 @@ from rollout.samplers import build_sampler
 from services.config import TrainConfig
 
 
-def build_learner(cfg: TrainConfig, policy: nn.Module):
-    """The DeepSpeed learner for `cfg` (its rank's environment must be set); reward back-propagation
-    objectives get the training reward as a differentiable function."""
+def build_learner(cfg: TrainConfig, policy: nn.Module, sampler=None):
+    """The DeepSpeed learner for `cfg` (its rank's environment must be set) with the testbed's sampler
+    (default: an image sampler from `cfg.sampler`); reward back-propagation objectives get the training
+    reward as a differentiable function."""
     from trainer.learner import DeepSpeedLearner
     from trainer.objectives import objective_class
 
     backprop = objective_class(cfg.objective.name).mode == "reward_backprop"
-    return DeepSpeedLearner(policy, build_sampler(cfg.sampler, cfg.scheduler), cfg.objective, cfg.learner,
+    sampler = sampler if sampler is not None else build_sampler(cfg.sampler, cfg.scheduler)
+    return DeepSpeedLearner(policy, sampler, cfg.objective, cfg.learner,
                             seed=cfg.run.seed, reward_fn=differentiable_train_reward(cfg.reward) if backprop else None)

@@ -68,15 +68,14 @@ def train(
 
 @app.command()
 def pretrain(args: list[str] = typer.Argument(None, help="[CONFIG] key.sub=value ...")) -> None:
-    """Build (or find cached) the testbed diffusion model and the reward/gold classifiers."""
-    from reward.config import build_reward_models, print_accuracies
-    from trainer.pretrain import ensure_pretrained_unet
+    """Build (or find cached) the testbed's pre-trained model and its reward models (digits: the
+    classifier ensemble and gold monitor; arith: nothing to build, the verifier is exact)."""
+    from services.testbeds import build_testbed
 
     _, _, cfg = _load(args or [])
-    path = ensure_pretrained_unet(cfg.model, cfg.scheduler, cfg.pretrain, prediction=cfg.sampler.prediction)
-    console.print(f"diffusion model: {path}")
-    members, monitors, _ = build_reward_models(cfg.reward)
-    print_accuracies(members, monitors, console)
+    testbed = build_testbed(cfg)
+    console.print(f"{testbed.name} base model: {testbed.base_weights()}")
+    testbed.prepare_rewards(console)
 
 
 @app.command("serve-reward")
@@ -88,17 +87,19 @@ def serve_reward(
     """Start the reward-ensemble Serve application alone and serve it until Ctrl-C."""
     from ray import serve
 
-    from reward.config import build_reward_models
     from services.reward_app import ROUTE_PREFIX, deploy_reward_app
     from services.runtime import init_ray, start_serve
+    from services.testbeds import build_testbed
 
     _, _, cfg = _load((args or []) + [f"serve.host={host}", f"serve.port={port}"])
-    build_reward_models(cfg.reward)
+    testbed = build_testbed(cfg)
+    testbed.prepare_rewards()
     init_ray(cfg.ray.address, cfg.ray.num_cpus)
     _, bound = start_serve(cfg.serve)
-    deploy_reward_app(cfg.reward, cfg.serve)
+    deploy_reward_app(testbed.reward_spec(), cfg.serve)
     base = f"http://{cfg.serve.host}:{bound}{ROUTE_PREFIX}"
-    console.print(f"reward ensemble ready: POST {base}/score   GET {base}/healthz   docs {base}/docs")
+    route = "score_text" if cfg.testbed == "arith" else "score"
+    console.print(f"reward ensemble ready: POST {base}/{route}   GET {base}/healthz   docs {base}/docs")
     sys.stdout.flush()
     try:
         while True:
@@ -113,10 +114,10 @@ def serve_reward(
 def eval_cmd(
     run_dir: Path = typer.Argument(..., help="a run folder written by `steadyrl train`"),
     step: Optional[int] = typer.Option(None, help="checkpoint step (default: latest)"),
-    samples_per_class: Optional[int] = typer.Option(None, help="default: the run's eval_samples_per_class"),
+    samples_per_class: Optional[int] = typer.Option(None, help="samples per prompt (default: the testbed's)"),
     seed: Optional[int] = typer.Option(None, help="default: the run's eval_seed"),
 ) -> None:
-    """Score a checkpoint: gold accuracy per class, proxy reward, diversity, sample grid."""
+    """Score a checkpoint: held-out accuracy (per class / answer length), training reward, diversity, samples."""
     from services.evaluate import evaluate_checkpoint
 
     if not (run_dir / "config.yaml").exists():
@@ -126,14 +127,14 @@ def eval_cmd(
     except FileNotFoundError as err:
         _fail(str(err))
     table = Table(title=f"eval of {res['checkpoint']} ({res['n_samples']} samples)")
-    table.add_column("class")
-    table.add_column("gold accuracy", justify="right")
-    for c, a in enumerate(res["gold_accuracy_per_class"]):
-        table.add_row(str(c), f"{a:.0%}")
+    table.add_column("prompts")
+    table.add_column("accuracy", justify="right")
+    for key, a in res["breakdown"].items():
+        table.add_row(key, f"{a:.0%}")
     table.add_row("[bold]all", f"[bold]{res['gold_accuracy']:.1%}")
     console.print(table)
     console.print(f"proxy reward {res['proxy_mean']:.3f}   diversity (nn) {res['diversity_nn']:.2f}   "
-                  f"grid: {Path(res['checkpoint']).parents[1] / ('eval_' + Path(res['checkpoint']).name)}/samples.png")
+                  f"samples: {Path(res['checkpoint']).parents[1] / ('eval_' + Path(res['checkpoint']).name)}/")
 
 
 if __name__ == "__main__":

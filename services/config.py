@@ -2,17 +2,19 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import yaml
-from pydantic import Field, ValidationError
+
+from pydantic import Field, ValidationError, model_validator
 
 from reward.config import RewardConfig
 from rollout.config import DEFAULT_SAMPLER_KIND, DDIMSamplerConfig, SamplerConfig, SchedulerConfig, StrictModel, UNetConfig
-from rollout.digits import NUM_CLASSES
+from rollout.masked_lm import MaskedLMConfig
 from trainer.config import DEFAULT_OBJECTIVE, LearnerConfig, ObjectiveConfig
 from trainer.objectives.grpo import GRPOSettings
 from trainer.pretrain import PretrainConfig
+from trainer.pretrain_masked_lm import MaskedLMPretrainConfig
 
 # the checkout's configs/ (editable install), else ./configs (a plain install run from the repo, as in the image)
 CONFIG_DIR = next((d for d in (Path(__file__).resolve().parent.parent / "configs", Path.cwd() / "configs")
@@ -22,6 +24,21 @@ DEFAULT_CONFIG = CONFIG_DIR / "digits-grpo.yaml"
 
 class ConfigError(ValueError):
     """A bad config file, key or value; the message names the field."""
+
+
+class ArithConfig(StrictModel):
+    """The arith testbed (DESIGN §5): synthetic problems, a tiny masked-diffusion LM, an exact verifier."""
+
+    task: Literal["addition", "sudoku"] = "addition"
+    digits: int = Field(2, ge=1, le=8, description="addition: operand digits (zero-padded in the prompt)")
+    blanks: int = Field(6, ge=1, le=16, description="sudoku: hidden cells of the 4x4 grid")
+    model: MaskedLMConfig = Field(default_factory=MaskedLMConfig)
+    pretrain: MaskedLMPretrainConfig = Field(default_factory=MaskedLMPretrainConfig)
+    partial_credit: bool = Field(False, description="sudoku: reward the share of valid rows/columns/boxes")
+    prompts_per_step: int = Field(16, ge=1, description="fresh problems per RL step (split over rollout workers)")
+    train_seed: int = Field(202, description="seed of the RL problems (pre-training and eval use others)")
+    eval_seed: int = Field(303, description="seed of the fixed held-out evaluation problems")
+    eval_problems: int = Field(200, ge=1, description="held-out problems per evaluation (greedy decoding)")
 
 
 class ServeConfig(StrictModel):
@@ -35,7 +52,7 @@ class ServeConfig(StrictModel):
 class RayConfig(StrictModel):
     address: str | None = Field(None, description="None: $RAY_ADDRESS or a new local Ray")
     num_cpus: int | None = Field(None, ge=1, description="for a new local Ray; None = all cores")
-    rollout_workers: int = Field(1, ge=1, le=NUM_CLASSES, description="each samples its share of the classes")
+    rollout_workers: int = Field(1, ge=1, description="each samples its share of the prompts (classes)")
     actor_cpus: float = Field(0.5, gt=0)
     torch_threads: int | None = Field(None, ge=1, description="None = all cores (phases run one after another)")
 
@@ -55,7 +72,11 @@ class RunConfig(StrictModel):
 class TrainConfig(StrictModel):
     """Everything one training run needs; each default lives in the section's own model."""
 
+    testbed: Literal["digits", "arith"] = Field(
+        "digits", description="digits: images (model, scheduler, pretrain, reward sections); arith: a "
+        "masked-diffusion LM (the arith section, sampler.kind=masked_diffusion)")
     run: RunConfig = Field(default_factory=RunConfig)
+    arith: ArithConfig = Field(default_factory=ArithConfig)
     model: UNetConfig = Field(default_factory=UNetConfig)
     scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)
     pretrain: PretrainConfig = Field(default_factory=PretrainConfig)
@@ -65,6 +86,21 @@ class TrainConfig(StrictModel):
     learner: LearnerConfig = Field(default_factory=LearnerConfig)
     serve: ServeConfig = Field(default_factory=ServeConfig)
     ray: RayConfig = Field(default_factory=RayConfig)
+
+    @model_validator(mode="after")
+    def _testbed_fits(self) -> "TrainConfig":
+        text = self.testbed == "arith"
+        if text != (self.sampler.kind == "masked_diffusion"):
+            raise ValueError(f"testbed={self.testbed!r} needs sampler.kind="
+                             f"{'masked_diffusion' if text else 'ddim or flow_sde'}, got {self.sampler.kind!r}")
+        limit = 10 if not text else self.arith.prompts_per_step
+        if self.ray.rollout_workers > limit:
+            raise ValueError(f"ray.rollout_workers={self.ray.rollout_workers} exceeds the {limit} prompts per step "
+                             f"of testbed {self.testbed!r}")
+        if text and self.arith.model.max_positions < self.sampler.gen_length + 20:
+            raise ValueError(f"arith.model.max_positions={self.arith.model.max_positions} is shorter than the "
+                             f"longest prompt + sampler.gen_length")
+        return self
 
 
 def _set(tree: dict[str, Any], dotted: str, value: Any) -> None:

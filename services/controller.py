@@ -22,15 +22,13 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 from safetensors.torch import load_file
 
-from reward.config import build_reward_models, print_accuracies
 from rollout.cache import write_text_atomically
-from rollout.digits import NUM_CLASSES
 from services.actors import LearnerActor, RolloutWorker
 from services.config import TrainConfig, dump_config, load_config
-from services.report import MetricsWriter, read_metrics, save_curves, save_sample_grid
+from services.report import MetricsWriter, read_metrics, save_curves
 from services.reward_app import APP_NAME, ROUTE_PREFIX, deploy_reward_app
 from services.runtime import free_port, init_ray, start_serve
-from trainer.pretrain import ensure_pretrained_unet
+from services.testbeds import build_testbed
 
 CHECKPOINTS = "checkpoints"
 
@@ -63,6 +61,7 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
 class Controller:
     def __init__(self, cfg: TrainConfig, run_dir: Path, console: Console | None = None, resume: bool = False):
         self.cfg = cfg
+        self.testbed = build_testbed(cfg)
         self.run_dir = Path(run_dir)
         self.console = console or Console()
         self.resume = resume
@@ -76,26 +75,23 @@ class Controller:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         if not self.resume:
             write_text_atomically(self.run_dir / "config.yaml", dump_config(cfg))
-        self.base_model = ensure_pretrained_unet(cfg.model, cfg.scheduler, cfg.pretrain, progress=cfg.run.progress,
-                                                 prediction=cfg.sampler.prediction)
-        with self.console.status("reward classifiers (trained and cached on first use)"):
-            members, monitors, _ = build_reward_models(cfg.reward)
-        if cfg.run.progress:
-            print_accuracies(members, monitors, self.console)
+        self.base_model = self.testbed.base_weights(progress=cfg.run.progress)
+        with self.console.status("reward models (built and cached on first use)"):
+            self.testbed.prepare_rewards(self.console if cfg.run.progress else None)
         with self.console.status("starting Ray, the Serve reward ensemble and the DeepSpeed learner"):
             self._ray_mode = init_ray(cfg.ray.address, cfg.ray.num_cpus)
             self._started_serve, self.port = start_serve(cfg.serve, self.run_dir / "logs" / "serve")
-            deploy_reward_app(cfg.reward, cfg.serve)
+            deploy_reward_app(self.testbed.reward_spec(), cfg.serve)
             cfg_dict = cfg.model_dump(mode="json")
             # the base weights travel through the object store: no node but the driver's needs the cache
             base_weights = ray.put(load_file(str(self.base_model)))
             self.learner = LearnerActor.options(num_cpus=cfg.ray.actor_cpus).remote(
                 cfg_dict, base_weights, str(self.run_dir), free_port())
-            splits = np.array_split(np.arange(NUM_CLASSES), cfg.ray.rollout_workers)
+            n = cfg.ray.rollout_workers
             self.workers = [
-                RolloutWorker.options(num_cpus=cfg.ray.actor_cpus).remote(
-                    cfg_dict, base_weights, s.tolist(), i, str(self.run_dir), int(s[0]))
-                for i, s in enumerate(splits)
+                RolloutWorker.options(num_cpus=cfg.ray.actor_cpus).remote(cfg_dict, base_weights, i, n,
+                                                                         str(self.run_dir))
+                for i in range(n)
             ]
             # wait until every actor is up (surfaces init errors here, not at the first step)
             ray.get([a.ready.remote() for a in [self.learner, *self.workers]])
@@ -129,12 +125,11 @@ class Controller:
         return time.perf_counter() - t0
 
     def evaluate(self, step: int) -> dict[str, Any]:
-        cfg = self.cfg.run
-        result = ray.get(self.workers[0].evaluate.remote(cfg.eval_samples_per_class, cfg.eval_seed))
-        grid = result.pop("grid")
+        result = ray.get(self.workers[0].evaluate.remote(self.cfg.run.eval_seed))
         result["step"] = step
-        save_sample_grid(grid, self.run_dir / f"samples_step_{step:04d}.png",
-                         f"step {step}: gold accuracy {result['gold_accuracy']:.1%}", result["gold_accuracy_per_class"])
+        label = self.testbed.labels[1]
+        self.testbed.save_eval(result, self.run_dir / f"samples_step_{step:04d}",
+                               f"step {step}: {label} accuracy {result['gold_accuracy']:.1%}")
         self.evals.append(result)
         write_text_atomically(self.run_dir / "evals.json", json.dumps(self.evals, indent=1))
         return result
@@ -183,9 +178,10 @@ class Controller:
             if not self.resume:
                 self.evaluate(0)
             steps_done = start
+            proxy_label, gold_label = self.testbed.labels
             progress = Progress(
                 TextColumn("[bold]RL"), BarColumn(), MofNCompleteColumn(),
-                TextColumn("proxy {task.fields[proxy]:.3f}  gold {task.fields[gold]:.1%}  "
+                TextColumn(proxy_label + " {task.fields[proxy]:.3f}  " + gold_label + " {task.fields[gold]:.1%}  "
                            "KL {task.fields[kl]:.1e}  {task.fields[dt]:.2f}s/step"),
                 TimeElapsedColumn(), TimeRemainingColumn(), console=self.console, disable=not cfg.run.progress,
             )
@@ -232,7 +228,7 @@ class Controller:
         result = RunResult(self.run_dir, steps_done, self.evals[0] if self.evals and self.evals[0]["step"] == 0 else None,
                            self.evals[-1] if self.evals else None, interrupted, timing)
         if cfg.run.progress:
-            self.console.print(summary_table(result))
+            self.console.print(summary_table(result, self.testbed.labels))
         return result
 
 
@@ -250,17 +246,18 @@ def merge_summaries(summaries: list[dict[str, float]]) -> dict[str, float]:
     return out
 
 
-def summary_table(result: RunResult) -> Table:
+def summary_table(result: RunResult, labels: tuple[str, str] = ("proxy", "gold")) -> Table:
     table = Table(title=f"steadyrl run summary  ({result.run_dir})")
-    table.add_column("class")
-    table.add_column("gold acc. base", justify="right")
-    table.add_column("gold acc. final", justify="right")
+    table.add_column("prompts")
+    table.add_column(f"{labels[1]} acc. base", justify="right")
+    table.add_column(f"{labels[1]} acc. final", justify="right")
     base, final = result.base_eval, result.final_eval
     if base and final:
-        for c, (b, f) in enumerate(zip(base["gold_accuracy_per_class"], final["gold_accuracy_per_class"])):
-            table.add_row(str(c), f"{b:.0%}", f"{f:.0%}")
+        for key, b in base["breakdown"].items():
+            f = final["breakdown"].get(key)
+            table.add_row(key, f"{b:.0%}", "-" if f is None else f"{f:.0%}")
         table.add_row("[bold]all", f"[bold]{base['gold_accuracy']:.1%}", f"[bold]{final['gold_accuracy']:.1%}")
-        table.add_row("proxy reward", f"{base['proxy_mean']:.3f}", f"{final['proxy_mean']:.3f}")
+        table.add_row(f"{labels[0]} reward", f"{base['proxy_mean']:.3f}", f"{final['proxy_mean']:.3f}")
         table.add_row("diversity (nn)", f"{base['diversity_nn']:.2f}", f"{final['diversity_nn']:.2f}")
     if result.timing:
         split = "  ".join(f"{k.split('/')[1]} {v:.2f}s" for k, v in sorted(result.timing.items()))

@@ -23,6 +23,8 @@ from reward.classifiers import ClassifierSpec, load_classifier
 from reward.config import RewardConfig
 from reward.ensemble import EnsembleScores, combine_scores
 from reward.jpeg import JpegCompressibilityReward
+from reward.verifiers import VerifierReward, VerifierSpec
+from rollout.arith import TOKENIZER
 from rollout.digits import IMAGE_SHAPE, NUM_CLASSES
 from services.config import ServeConfig
 
@@ -32,8 +34,9 @@ JPEG_NAME = "jpeg_compressibility"
 
 api = FastAPI(
     title="steadyrl reward ensemble",
-    description="Scores digit samples with every reward model; returns per-model scores, mean, spread, "
-    "training reward and rank-disagreement uncertainty per sample.",
+    description="Scores samples with every reward model; returns per-model scores, mean, spread, "
+    "training reward and rank-disagreement uncertainty per sample. Digits images: POST /score; arith "
+    "completions (text or token ids): POST /score_text.",
     version="1",
 )
 
@@ -83,6 +86,45 @@ class ScoreRequest(BaseModel):
         return x, torch.tensor(self.cond, dtype=torch.long), group
 
 
+class TextScoreRequest(BaseModel):
+    """Prompt/completion pairs of the arith testbed, as text ("07+45=", "52") or as token ids."""
+
+    model_config = ConfigDict(extra="forbid")
+    prompts: list[str] | list[list[int]] = Field(..., min_length=1, description="text, or token ids per prompt")
+    completions: list[str] | list[list[int]] = Field(..., min_length=1,
+                                                     description="text (no <eos> needed), or token ids")
+    group: list[int] | None = Field(None, description="group id per sample (ranks are taken within a group)")
+
+    @field_validator("prompts", "completions")
+    @classmethod
+    def _tokens(cls, v: list[Any]) -> list[Any]:
+        for i, item in enumerate(v):
+            if isinstance(item, str):
+                TOKENIZER.encode(item)  # raises naming the unknown characters
+            elif any(not 0 <= t < len(TOKENIZER) for t in item):
+                raise ValueError(f"item {i}: token ids must be in [0, {len(TOKENIZER) - 1}]")
+        return v
+
+    @model_validator(mode="after")
+    def _lengths(self) -> "TextScoreRequest":
+        if len(self.prompts) != len(self.completions):
+            raise ValueError(f"prompts has {len(self.prompts)} entries but completions has {len(self.completions)}")
+        if self.group is not None and len(self.group) != len(self.prompts):
+            raise ValueError(f"group has {len(self.group)} entries but there are {len(self.prompts)} samples")
+        return self
+
+    def tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """(completions [B, L], prompts [B, P]) as token ids, right-padded with <eos> / <pad>."""
+
+        def ids(items: list[Any], fill: int) -> torch.Tensor:
+            rows = [TOKENIZER.encode(x) if isinstance(x, str) else list(x) for x in items]
+            width = max(1, max(len(r) for r in rows))
+            return torch.tensor([r + [fill] * (width - len(r)) for r in rows], dtype=torch.long)
+
+        group = None if self.group is None else torch.tensor(self.group, dtype=torch.long)
+        return ids(self.completions, TOKENIZER.eos_id), ids(self.prompts, TOKENIZER.pad_id), group
+
+
 class ScoreResponse(BaseModel):
     names: list[str] = Field(description="ensemble members, the columns of `scores`")
     scores: list[list[float]] = Field(description="[B][K] per-model scores")
@@ -103,6 +145,8 @@ class RewardModelDeployment:
         torch.set_num_threads(1)
         if kind == "classifier":
             self.model = load_classifier(ClassifierSpec.model_validate(spec))
+        elif kind == "verifier":
+            self.model = VerifierReward.from_spec(VerifierSpec.model_validate(spec))
         elif kind == "jpeg":
             self.model = JpegCompressibilityReward(name=JPEG_NAME)
         else:
@@ -114,6 +158,8 @@ class RewardModelDeployment:
     @serve.batch(max_batch_size=256, batch_wait_timeout_s=0.005)
     async def score(self, samples: list[torch.Tensor], cond: list[torch.Tensor]) -> list[torch.Tensor]:
         sizes = [len(c) for c in cond]
+        if len({(s.shape[1:], c.shape[1:]) for s, c in zip(samples, cond)}) > 1:  # text of other widths
+            return [check_scores(self.name, self.model.score(s, c), len(c)) for s, c in zip(samples, cond)]
         out = check_scores(self.name, self.model.score(torch.cat(samples), torch.cat(cond)), sum(sizes))
         return list(out.split(sizes))
 
@@ -128,6 +174,8 @@ class RewardModelDeployment:
 
     def check_health(self) -> None:
         """Serve calls this periodically; a broken model raises and the replica is replaced."""
+        if isinstance(self.model, VerifierReward):
+            return  # a pure function of text: nothing to go stale
         out = self.model.score(torch.zeros(1, *IMAGE_SHAPE), torch.zeros(1, dtype=torch.long))
         if not bool(torch.isfinite(out).all()):
             raise RuntimeError(f"reward model {self.name} returns non-finite scores")
@@ -139,7 +187,8 @@ class RewardEnsembleIngress:
     """Composes member deployments; the gold monitor is scored too but never becomes the reward."""
 
     def __init__(self, members: list[DeploymentHandle], member_names: list[str], gold: DeploymentHandle,
-                 gold_name: str, train_on: str, feature_model: str):
+                 gold_name: str, train_on: str, feature_model: str, testbed: str = "digits"):
+        self.testbed = testbed
         self.members, self.member_names = members, member_names
         self.gold, self.gold_name = gold, gold_name
         self.train_on, self.feature_model = train_on, feature_model
@@ -158,9 +207,25 @@ class RewardEnsembleIngress:
         out.features = None if feat is None else await feat
         return out
 
+    def _wrong_route(self, route: str, wants: str) -> None:
+        if self.testbed != wants:
+            from fastapi import HTTPException
+
+            other = "/score_text" if route == "/score" else "/score"
+            raise HTTPException(status_code=400, detail=f"this reward app scores the {self.testbed!r} testbed: "
+                                f"POST {other}, not {route}")
+
     @api.post("/score", response_model=ScoreResponse)
     async def score_http(self, request: ScoreRequest) -> ScoreResponse:
-        samples, cond, group = request.tensors()
+        self._wrong_route("/score", "digits")
+        return await self._respond(*request.tensors())
+
+    @api.post("/score_text", response_model=ScoreResponse)
+    async def score_text_http(self, request: TextScoreRequest) -> ScoreResponse:
+        self._wrong_route("/score_text", "arith")
+        return await self._respond(*request.tensors())
+
+    async def _respond(self, samples: torch.Tensor, cond: torch.Tensor, group: torch.Tensor | None) -> ScoreResponse:
         out = await self.score_tensors(samples, cond, group, with_features=False)
         return ScoreResponse(
             names=out.names, scores=out.scores.tolist(), mean=out.mean.tolist(), std=out.std.tolist(),
@@ -175,14 +240,21 @@ class RewardEnsembleIngress:
                 "models": infos}
 
 
-def build_reward_app(cfg: RewardConfig, serve_cfg: ServeConfig | None = None) -> serve.Application:
-    """Bind one deployment per reward model and the ensemble ingress."""
+def build_reward_app(cfg: RewardConfig | VerifierSpec, serve_cfg: ServeConfig | None = None) -> serve.Application:
+    """Bind one deployment per reward model and the ensemble ingress (a testbed's `reward_spec()`:
+    the digits classifier ensemble, or the arith verifier with its exact-match monitor)."""
     serve_cfg = serve_cfg or ServeConfig()
     opts = {"ray_actor_options": {"num_cpus": serve_cfg.replica_cpus}}
     batching = {"max_batch_size": serve_cfg.max_batch_size, "batch_wait_timeout_s": serve_cfg.batch_wait_timeout_s}
 
     def model(name: str, kind: str, spec: dict[str, Any] | None) -> serve.Application:
         return RewardModelDeployment.options(name=name, **opts).bind(kind, spec, **batching)
+
+    if isinstance(cfg, VerifierSpec):
+        exact = cfg.model_copy(update={"partial_credit": False, "name": "exact"})
+        return RewardEnsembleIngress.options(name="ensemble", **opts).bind(
+            [model(f"reward_{cfg.name}", "verifier", cfg.model_dump())], [cfg.name],
+            model("monitor_exact", "verifier", exact.model_dump()), "exact", cfg.name, cfg.name, "arith")
 
     members = [model(f"reward_{s.name}", "classifier", s.model_dump()) for s in cfg.members]
     names = [s.name for s in cfg.members]
@@ -194,6 +266,6 @@ def build_reward_app(cfg: RewardConfig, serve_cfg: ServeConfig | None = None) ->
         members, names, gold, cfg.gold.name, cfg.train_on, cfg.feature_model)
 
 
-def deploy_reward_app(cfg: RewardConfig, serve_cfg: ServeConfig | None = None) -> None:
+def deploy_reward_app(cfg: RewardConfig | VerifierSpec, serve_cfg: ServeConfig | None = None) -> None:
     """Deploy (or update) the ensemble as the Serve application `reward` under /reward."""
     serve.run(build_reward_app(cfg, serve_cfg), name=APP_NAME, route_prefix=ROUTE_PREFIX)

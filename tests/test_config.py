@@ -55,3 +55,28 @@ def test_cli_bad_override_exits_2_with_the_field_named():
 def test_cli_eval_rejects_a_folder_that_is_not_a_run(tmp_path):
     result = CliRunner().invoke(app, ["eval", str(tmp_path)])
     assert result.exit_code == 2 and "not a run folder" in result.output
+
+
+@pytest.mark.parametrize("preset", ["arith-grpo", "arith-stabledrl", "arith-stabledrl-code", "arith-bgpo"])
+def test_arith_presets_load_with_their_objective_and_the_masked_diffusion_sampler(preset):
+    from services.config import CONFIG_DIR
+
+    cfg = load_config(CONFIG_DIR / f"{preset}.yaml")
+    assert cfg.testbed == "arith" and cfg.sampler.kind == "masked_diffusion"
+    assert cfg.objective.name == {"arith-grpo": "grpo", "arith-stabledrl": "stabledrl.paper",
+                                  "arith-stabledrl-code": "stabledrl.code", "arith-bgpo": "bgpo.paper"}[preset]
+
+
+@pytest.mark.parametrize("overrides, field", [
+    (["testbed=arith"], "sampler.kind=masked_diffusion"),
+    (["sampler.kind=masked_diffusion"], "testbed='digits'"),
+    (["testbed=arith", "sampler.kind=masked_diffusion", "ray.rollout_workers=20"], "ray.rollout_workers"),
+    (["testbed=arith", "sampler.kind=masked_diffusion", "sampler.gen_length=6", "sampler.block_length=4"],
+     "block_length"),
+    (["testbed=arith", "sampler.kind=masked_diffusion", "sampler.estimator=exact"], "sampler.estimator"),
+    (["testbed=arith", "sampler.kind=masked_diffusion", "arith.task=chess"], "arith.task"),
+])
+def test_a_testbed_and_sampler_that_do_not_fit_are_refused_by_name(overrides, field):
+    with pytest.raises(ConfigError) as err:
+        load_config(DEFAULT_CONFIG, overrides)
+    assert field in str(err.value)

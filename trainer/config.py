@@ -6,6 +6,7 @@ from typing import Annotated, Any, Literal, Union
 from pydantic import Discriminator, Field, Tag, model_validator
 
 from rollout.config import StrictModel
+from trainer.balanced_gradient import BalancedGradientConfig
 from trainer.objectives import settings_types
 
 
@@ -40,9 +41,15 @@ class LearnerConfig(StrictModel):
         "micro_batch_size); None = micro_batch_size. Whole-step normalisers run over this batch.")
     backend: Literal["gloo", "nccl"] = "gloo"
     logp_alarm: float = Field(1e-3, gt=0, description="warn when |recomputed - rollout old logp| exceeds this")
+    balanced: BalancedGradientConfig = Field(
+        default_factory=BalancedGradientConfig,
+        description="BGPO's seed-form ('balanced gradient') options, each off by default, for any objective")
 
     @model_validator(mode="after")
     def _multiple(self) -> "LearnerConfig":
+        if self.balanced.module_grad_scaling and self.zero_stage > 0:
+            raise ValueError("learner.balanced.module_grad_scaling needs zero_stage=0 (ZeRO 1-3 partition the "
+                             "gradients: each module's norm is not on one rank's parameters)")
         if self.optim_batch_size is not None and self.optim_batch_size % self.micro_batch_size:
             raise ValueError(f"optim_batch_size={self.optim_batch_size} must be a multiple of "
                              f"micro_batch_size={self.micro_batch_size}")

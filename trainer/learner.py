@@ -30,7 +30,9 @@ from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
 from rollout.batch import RolloutBatch
-from rollout.sampler import GaussianStepSampler
+from rollout.sampler import GaussianStepSampler, StepLogProb
+from trainer.balanced_gradient import (DualMomentum, RollingQuantileClipper, apply_module_precision,
+                                      enable_activation_checkpointing, scale_module_gradients)
 from trainer.config import LearnerConfig
 from trainer.objectives import (ObjectiveSettings, PolicyGradientObjective, PreparePiece, RewardBackpropObjective,
                                 StepInputs, build_objective)
@@ -42,8 +44,9 @@ DifferentiableReward = Callable[[Tensor, Tensor], Tensor]  # (x_0 [B,...] with g
 
 def deepspeed_config(cfg: LearnerConfig) -> dict[str, Any]:
     """DeepSpeed JSON config; `torch_adam` avoids compiling the fused Adam op. The learner marks the
-    gradient-accumulation boundary itself (last piece of each optimisation step)."""
-    return {
+    gradient-accumulation boundary itself (last piece of each optimisation step). With
+    `balanced.dual_momentum` the learner passes its own optimiser and this has no optimizer section."""
+    out = {
         "train_micro_batch_size_per_gpu": cfg.micro_batch_size,
         "gradient_accumulation_steps": cfg.micro_per_optim_step,
         "gradient_clipping": cfg.grad_clip,
@@ -56,6 +59,10 @@ def deepspeed_config(cfg: LearnerConfig) -> dict[str, Any]:
         "steps_per_print": 10**9,
         "wall_clock_breakdown": False,
     }
+    if cfg.balanced.dual_momentum:
+        del out["optimizer"]
+        out["zero_allow_untested_optimizer"] = True
+    return out
 
 
 @dataclass
@@ -65,6 +72,12 @@ class OldPolicy:
     logp: Tensor  # [b,T] (0 at untrained steps)
     mean: Tensor | None = None  # [b,T,...] where the objective needs old means
     noise: list[Tensor] | None = None  # recorded noise of the last K steps (reward back-propagation)
+    ref_logp: Tensor | None = None  # [b] sequence-level samplers: the reference's mean over MC samples
+
+    @property
+    def sequence_logp(self) -> Tensor:
+        """[b] the sequence log-likelihood estimate: the mean over the MC samples (sequence-level samplers)."""
+        return self.logp.mean(dim=1)
 
 
 class MetricSums:
@@ -111,19 +124,35 @@ class DeepSpeedLearner:
             if not 1 <= k <= len(sampler.timesteps):
                 raise ValueError(f"objective.backprop_steps={k} must be in [1, {len(sampler.timesteps)}]")
             self.steps_per_sample = 1
+        elif getattr(sampler, "sequence_level", False):
+            if self.objective.needs_old_mean:
+                raise ValueError(f"objective {objective_cfg.name!r} needs Gaussian step means: it does not apply to "
+                                 f"sampler.kind={sampler.cfg.kind!r}")
+            self.steps_per_sample = len(self.train_steps)  # every MC sample of every sequence
         else:
             self.steps_per_sample = max(1, round(self.objective.cfg.timestep_fraction * len(self.train_steps)))
+        balanced = learner_cfg.balanced
+        if balanced.module_precision:
+            apply_module_precision(policy, balanced.module_precision)
+        if balanced.activation_checkpointing:
+            enable_activation_checkpointing(policy)
         self.reference = copy.deepcopy(policy).eval().requires_grad_(False)
+        self.advantage_clipper = (RollingQuantileClipper(balanced.quantile, balanced.quantile_window)
+                                  if balanced.advantage_quantile_clip else None)
         if not torch.distributed.is_initialized():
             deepspeed.init_distributed(dist_backend=learner_cfg.backend)
-        self.engine, _, _, _ = deepspeed.initialize(
-            model=policy,
-            model_parameters=[p for p in policy.parameters() if p.requires_grad],
-            config=deepspeed_config(learner_cfg),
-        )
+        params = [p for p in policy.parameters() if p.requires_grad]
+        optimizer = None
+        if balanced.dual_momentum:
+            optimizer = DualMomentum(params, lr=learner_cfg.lr, short_horizon=balanced.short_horizon,
+                                     long_horizon=balanced.long_horizon, beta2=learner_cfg.betas[1],
+                                     weight_decay=learner_cfg.weight_decay)
+        self.engine, _, _, _ = deepspeed.initialize(model=policy, model_parameters=params, optimizer=optimizer,
+                                                    config=deepspeed_config(learner_cfg))
         self.generator = torch.Generator().manual_seed(seed)
         self.updates = 0
         self._pre_clip_norm: float | None = None
+        self._module_scales: dict[str, float] = {}
 
     @property
     def policy(self) -> nn.Module:
@@ -149,6 +178,7 @@ class DeepSpeedLearner:
         """Old log-probs at every trained step, micro-batched as the update is; plus the KL monitor."""
         steps = self.train_steps
         keep_mean = self.objective.needs_old_mean
+        sequence = self.sequence_level
         out, diffs, kls = [], [], []
         for mb in micro:
             lp = torch.zeros_like(mb.old_logp)
@@ -159,12 +189,19 @@ class DeepSpeedLearner:
                 if mean is not None:
                     mean[:, s] = step.mean
             old = OldPolicy(lp, mean)
+            if sequence:
+                old.ref_logp = torch.stack([self.sampler.log_prob(self.reference, mb, s).logp
+                                            for s in steps.tolist()], dim=1).mean(dim=1)
             if isinstance(self.objective, RewardBackpropObjective):
                 first = len(self.sampler.timesteps) - self.objective.cfg.backprop_steps
                 old.noise = [self.sampler.recorded_noise(self.engine, mb, k)
                              for k in range(first, len(self.sampler.timesteps))]
             diffs.append((lp[:, steps] - mb.old_logp[:, steps]).abs().max())
             out.append(old)
+            if sequence:  # KL(pi_theta || pi_ref) monitor: k3 of the sequence estimates
+                kls.append(self.sampler.kl(StepLogProb(old.sequence_logp, None, None),
+                                           StepLogProb(old.ref_logp, None, None)))
+                continue
             # KL(pi_theta || pi_ref) monitor: one random trained step per sample
             s = steps[torch.randint(len(steps), (len(mb),), generator=self.generator)]
             kls.append(self._kl_to_reference(mb, s))
@@ -176,13 +213,18 @@ class DeepSpeedLearner:
                      "policy/rollout_logp_alarm": float(absdiff > self.cfg.logp_alarm),
                      "policy/kl_ref_monitor": float(torch.cat(kls).mean())}
 
-    def _kl_to_reference(self, mb: RolloutBatch, step: Tensor, mean: Tensor | None = None) -> Tensor:
-        """Per-sample KL of the policy step to the reference step (grad flows through `mean`)."""
-        if mean is None:
-            mean = self.sampler.distribution(self.engine, mb, step).mean
+    @property
+    def sequence_level(self) -> bool:
+        """The sampler's steps are MC samples of one sequence-level likelihood (masked diffusion)."""
+        return bool(getattr(self.sampler, "sequence_level", False))
+
+    def _kl_to_reference(self, mb: RolloutBatch, step: Tensor, new: StepLogProb | None = None) -> Tensor:
+        """Per-sample KL of the policy step to the reference step (grad flows through `new`)."""
+        if new is None:
+            new = self.sampler.log_prob(self.engine, mb, step)
         with torch.no_grad():
-            ref = self.sampler.distribution(self.reference, mb, step)
-        return self.sampler.kl(mean, ref.mean, ref.std)
+            ref = self.sampler.log_prob(self.reference, mb, step)
+        return self.sampler.kl(new, ref)
 
     def update(self, batch: RolloutBatch) -> dict[str, float]:
         """One RL update over the whole batch; returns scalar metrics."""
@@ -194,6 +236,9 @@ class DeepSpeedLearner:
         if len(batch) == 0:
             raise ValueError("no sample in the batch has a finite reward")
         batch, metrics = self.objective.prepare_batch(batch)
+        if self.advantage_clipper is not None and batch.advantages is not None:
+            batch = batch.replace(advantages=self.advantage_clipper(batch.advantages))
+            metrics["balanced/adv_clip_q"] = float(self.advantage_clipper.last_q)
         perm = torch.randperm(len(batch), generator=self.generator)
         micro = batch.index(perm).split(self.cfg.micro_batch_size)
         olds, recompute_metrics = self._recompute_old(micro)
@@ -223,6 +268,9 @@ class DeepSpeedLearner:
             "reward/nonfinite_skipped": float(skipped),
             "policy/lr": float(self.engine.get_lr()[0]),
         })
+        if self._module_scales:
+            metrics["balanced/module_scale_max"] = max(self._module_scales.values())
+            metrics["balanced/module_scale_min"] = min(self._module_scales.values())
         return metrics
 
     def _backward(self, loss: Tensor, last: bool) -> None:
@@ -231,11 +279,19 @@ class DeepSpeedLearner:
         self.engine.backward(loss, scale_wrt_gas=False)  # pieces carry their own normalisers
         if last:
             self._pre_clip_norm = self._grad_norm()
+            if self.cfg.balanced.module_grad_scaling:  # after the accumulation boundary, before clip and step
+                scales = scale_module_gradients(self.policy, self.cfg.balanced.scaling_depth,
+                                                self.cfg.balanced.scaling_eps)
+                self._module_scales = scales
             self.engine.step()
 
     def _policy_gradient_step(self, group: list[RolloutBatch], olds: list[OldPolicy], sums: MetricSums) -> None:
         """One optimisation step of a per-step likelihood-ratio objective over `group`'s micro-batches."""
         assert isinstance(self.objective, PolicyGradientObjective)
+        if getattr(self.sampler, "independent_masks", False):  # the new policy's masks, fresh per optimiser step
+            group = [self.sampler.with_fresh_masks(mb) for mb in group]
+        if self.sequence_level and self.objective.ratio_scope == "sequence":
+            return self._sequence_step(group, olds, sums)
         steps, n = self.train_steps, self.steps_per_sample
         chosen = [torch.stack([steps[torch.randperm(len(steps), generator=self.generator)][:n] for _ in range(len(mb))])
                   for mb in group]
@@ -253,11 +309,12 @@ class DeepSpeedLearner:
     def _step_inputs(self, mb: RolloutBatch, old: OldPolicy, step: Tensor, n_terms: int) -> StepInputs:
         rows = torch.arange(len(mb))
         new = self.sampler.log_prob(self.engine, mb, step)
-        kl = self._kl_to_reference(mb, step, new.mean) if self.objective.needs_reference else None
+        kl = self._kl_to_reference(mb, step, new) if self.objective.needs_reference else None
         dtype = new.logp.dtype
         return StepInputs(
             new_logp=new.logp, old_logp=old.logp[rows, step], advantages=mb.advantages, step=step,
-            std=new.std, dt=self.sampler.dt[step].to(dtype), n_terms=n_terms, new_mean=new.mean,
+            std=self.sampler.std[step].to(dtype) if new.std is None else new.std, dt=self.sampler.dt[step].to(dtype),
+            n_terms=n_terms, new_mean=new.mean,
             old_mean=None if old.mean is None else old.mean[rows, step], kl_ref=kl, micro=mb,
             reduce=self.sampler.reduce)
 
@@ -270,12 +327,59 @@ class DeepSpeedLearner:
             for j in range(ch.shape[1]):
                 s = ch[:, j]
                 new = self.sampler.log_prob(self.engine, mb, s)
+                std = self.sampler.std[s].to(new.logp.dtype) if new.std is None else new.std
                 pieces.append(PreparePiece(
-                    new_logp=new.logp, old_logp=old.logp[rows, s], advantages=mb.advantages, step=s, std=new.std,
+                    new_logp=new.logp, old_logp=old.logp[rows, s], advantages=mb.advantages, step=s, std=std,
+                    group=mb.group,
                     dt=self.sampler.dt[s].to(new.logp.dtype), rows=offset + rows, new_mean=new.mean,
                     old_mean=None if old.mean is None else old.mean[rows, s]))
             offset += len(mb)
         return self.objective.prepare(pieces)
+
+    def _sequence_step(self, group: list[RolloutBatch], olds: list[OldPolicy], sums: MetricSums) -> None:
+        """One optimisation step of a sequence-level objective f(log rho) over MC-estimated likelihoods.
+
+        log pi(y) is estimated by ell_bar = (1/n) sum_j ell_j over the n MC mask samples. A no-grad pass
+        computes ell_bar at the current weights; then each MC sample j is back-propagated on its own with
+
+            new_logp_j = sg(ell_bar) + (ell_j - sg(ell_j)) / n       value ell_bar, gradient grad(ell_j) / n
+
+        so the objective is evaluated at the exact sequence ratio and the pieces' gradients sum to
+        f'(ell_bar) grad(ell_bar): the exact objective's gradient in n backward passes, with memory of one
+        (the two-pass form; BGPO's bound is the per-term alternative). `n_terms` counts sequences.
+        """
+        n = len(self.train_steps)
+        dtype = olds[0].logp.dtype
+        with torch.no_grad():
+            passes = [[self.sampler.log_prob(self.engine, mb, j) for j in range(n)] for mb in group]
+        current = [torch.stack([p.logp for p in mc], 1).mean(1) for mc in passes]
+        offsets = [sum(len(mb) for mb in group[:i]) for i in range(len(group))]
+        stats: dict[str, Tensor] = {}
+        if self.objective.needs_prepare:
+            stats = self.objective.prepare([
+                PreparePiece(new_logp=cur, old_logp=old.sequence_logp, advantages=mb.advantages,
+                             step=torch.zeros(len(mb), dtype=torch.long), std=torch.ones(len(mb), dtype=dtype),
+                             dt=torch.ones(len(mb), dtype=dtype), rows=off + torch.arange(len(mb)), group=mb.group,
+                             tokens=[p.tokens for p in mc])
+                for mb, old, cur, off, mc in zip(group, olds, current, offsets, passes)])
+        n_terms = sum(len(mb) for mb in group)
+        pieces = [(i, j) for i in range(len(group)) for j in range(n)]
+        for p, (i, j) in enumerate(pieces):
+            mb, old = group[i], olds[i]
+            new = self.sampler.log_prob(self.engine, mb, j)
+            linear = current[i] + (new.logp - new.logp.detach()) / n
+            seq_new = StepLogProb(linear, None, None, tokens=new.tokens)
+            kl = None
+            if self.objective.needs_reference:
+                kl = self.sampler.kl(seq_new, StepLogProb(old.ref_logp, None, None))
+            ones = torch.ones(len(mb), dtype=dtype)
+            inputs = StepInputs(new_logp=linear, old_logp=old.sequence_logp, advantages=mb.advantages,
+                                step=torch.full((len(mb),), j, dtype=torch.long), std=ones, dt=ones, n_terms=n_terms,
+                                rows=offsets[i] + torch.arange(len(mb)), kl_ref=kl, micro=mb,
+                                reduce=self.sampler.reduce, tokens=new.tokens)
+            loss, m = self.objective.loss(inputs, stats)
+            self._backward(loss, last=p == len(pieces) - 1)
+            sums.add(m)
 
     def _reward_backprop_step(self, group: list[RolloutBatch], olds: list[OldPolicy], sums: MetricSums) -> None:
         """One optimisation step of reward back-propagation through the last K steps (DRaFT-K).
@@ -316,7 +420,9 @@ class DeepSpeedLearner:
         save_file({k: v.detach().contiguous() for k, v in self.reference.state_dict().items()},
                   str(directory / "reference.safetensors"))
         torch.save({"generator": self.generator.get_state(), "updates": self.updates,
-                    "objective": self.objective.name, "objective_state": self.objective.state_dict()},
+                    "objective": self.objective.name, "objective_state": self.objective.state_dict(),
+                    "advantage_clipper": (None if self.advantage_clipper is None
+                                          else self.advantage_clipper.state_dict())},
                    directory / "learner_state.pt")
 
     def load(self, directory: Path) -> None:
@@ -330,3 +436,5 @@ class DeepSpeedLearner:
         self.generator.set_state(state["generator"])
         self.updates = int(state["updates"])
         self.objective.load_state_dict(state["objective_state"])
+        if self.advantage_clipper is not None and state.get("advantage_clipper") is not None:
+            self.advantage_clipper.load_state_dict(state["advantage_clipper"])

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import ClassVar, Literal, Protocol
+from typing import Any, ClassVar, Literal, Protocol
 
 import torch
 from pydantic import Field
@@ -68,6 +68,7 @@ class StepInputs:
     kl_ref: Tensor | None = None  # [b] KL(pi_theta || pi_ref) at the step, with grad (when requested)
     micro: RolloutBatch | None = None  # the micro-batch (uncertainty, features, extras)
     reduce: str = "mean"  # the sampler's pixel reduction of log-probs and KLs
+    tokens: Any = None  # masked diffusion: this MC sample's per-token terms, with grad (rollout.likelihood)
 
 
 @dataclass
@@ -83,6 +84,8 @@ class PreparePiece:
     rows: Tensor  # [b] each sample's index within the optimisation step
     new_mean: Tensor | None = None
     old_mean: Tensor | None = None
+    group: Tensor | None = None  # [b] prompt group of each sample
+    tokens: list[Any] | None = None  # masked diffusion: per-token terms of each MC sample (no grad)
 
 
 class LearnerHooks(Protocol):
@@ -103,6 +106,10 @@ class Objective(ABC):
       needs_prepare:   run the no-grad `prepare` pass (new log-probs of the step's terms) per optimiser step
       needs_old_mean:  keep the old policy's step means from the recompute pass
       needs_reference: compute KL(pi_theta || pi_ref) at each term
+      ratio_scope:     with a sequence-level sampler (masked diffusion, steps = MC mask samples):
+                       "sequence" -- the ratio is exp(mean_j ell_j - mean_j ell_j^old), one per sequence
+                       (the learner's two-pass pieces, `DeepSpeedLearner._sequence_step`); "term" -- each
+                       MC sample's own ratio (BGPO's bound). Image samplers are always per step.
     State lives in `self.state` as tensors and is checkpointed with torch.save.
     """
 
@@ -111,6 +118,7 @@ class Objective(ABC):
     mode: ClassVar[Literal["policy_gradient", "reward_backprop"]] = "policy_gradient"
     needs_prepare: ClassVar[bool] = False
     needs_old_mean: ClassVar[bool] = False
+    ratio_scope: ClassVar[Literal["sequence", "term"]] = "sequence"
 
     def __init__(self, cfg: ObjectiveSettings):
         self.cfg = cfg

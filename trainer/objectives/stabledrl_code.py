@@ -14,9 +14,16 @@ its step) (+ kl_coef * sum KL / n_terms, 0 by default as in their code); the lea
 gives L. Samples are matched across pieces by `PreparePiece.rows` / `StepInputs.rows`. The weights are
 rank-local by design (their softmax never crosses ranks): they must not be all-reduced.
 
-Not yet here (dLLMs, a later issue): l_i is their SPG sandwich -- the ELBO (per-sample mean over masked
-tokens, averaged over MC masks) when A_i > 0 strictly, else 0.5 * EUBO(beta = 1.5) + 0.5 * ELBO -- and
-log rho_i = ELBO_new - ELBO_old with independently drawn mask seeds.
+dLLMs (a sequence-level sampler; the form their code was written for): l_i is the SPG sandwich
+(`trainer.objectives.sandwich`) -- the ELBO (per-sample mean over masked tokens, averaged over MC masks:
+the elbo estimator with `logp_reduce: mean`) when A_i > 0 strictly, else eubo_mix * EUBO(eubo_beta) +
+(1 - eubo_mix) * ELBO -- and log rho_i = ELBO_new - ELBO_old (their presets draw the masks independently:
+`sampler.masks: independent`). The learner's pieces are one MC sample each, with the ELBO and EUBO
+linearised so their gradients sum to the sandwich's.
+
+`softmax_over`: `step` normalises w over the optimisation step's samples; `group` within each prompt
+group, then averages over the step's groups -- their runs, one prompt group per rank with gradients
+averaged across ranks, emulated on one rank.
 """
 from __future__ import annotations
 
@@ -31,6 +38,7 @@ from rollout.batch import RolloutBatch
 from trainer.objectives.base import (ObjectiveSettings, PolicyGradientObjective, PreparePiece, StepInputs,
                                      kl_penalty, ratio_metrics)
 from trainer.objectives.registry import register
+from trainer.objectives.sandwich import eubo_piece, eubo_statistics, sandwich
 
 
 def mean_centred_advantages(rewards: Tensor, group: Tensor) -> Tensor:
@@ -52,6 +60,24 @@ class StableDRLCodeSettings(ObjectiveSettings):
     kl_coef: float = Field(0.0, ge=0, description="weight of the analytic Gaussian KL to the reference (their "
                            "code: none)")
     timestep_fraction: float = Field(0.5, gt=0, le=1, description="share of trained steps drawn per sample")
+    softmax_over: Literal["step", "group"] = Field(
+        "step", description="step: w = softmax over the optimisation step's samples; group: within each prompt "
+        "group, averaged over groups (their runs: one group per rank, gradients averaged across ranks)")
+    eubo_beta: float = Field(1.5, gt=0, description="dLLMs: the EUBO's power beta (their default 1.5; 1.0 on sudoku)")
+    eubo_mix: float = Field(0.5, ge=0, le=1, description="dLLMs: J = mix * EUBO + (1 - mix) * ELBO where A <= 0")
+
+
+def softmax_weights(capped: Tensor, group: Tensor | None, over: str) -> Tensor:
+    """w = softmax(capped) over all rows (`step`), or within each group / number of groups (`group`)."""
+    if over == "step" or group is None:
+        return torch.softmax(capped, dim=0)
+    w = torch.zeros_like(capped)
+    present = capped.isfinite()
+    groups = group[present].unique()
+    for g in groups:
+        idx = (group == g) & present
+        w[idx] = torch.softmax(capped[idx], dim=0) / len(groups)
+    return w
 
 
 @register("stabledrl.code")
@@ -73,15 +99,33 @@ class StableDRLCode(PolicyGradientObjective):
         per_sample = torch.zeros(n, dtype=log_ratio.dtype).index_add_(0, rows, log_ratio)
         present = torch.zeros(n, dtype=torch.bool).index_fill_(0, rows, True)
         capped = per_sample.clamp(max=self.cfg.log_ratio_cap).masked_fill(~present, -math.inf)
-        weights = torch.softmax(capped, dim=0)  # a row index no piece holds gets weight 0
-        return {"stabledrl/log_ratio": per_sample, "stabledrl/weights": weights}
+        group = None
+        if all(p.group is not None for p in pieces):
+            group = torch.full((n,), -1, dtype=torch.long).index_put_((rows,), torch.cat([p.group for p in pieces]))
+        weights = softmax_weights(capped, group, self.cfg.softmax_over)  # a row no piece holds gets weight 0
+        stats = {"stabledrl/log_ratio": per_sample, "stabledrl/weights": weights}
+        if all(p.tokens is not None for p in pieces):  # dLLM: the EUBO's q and value per sample, for the sandwich
+            L = pieces[0].tokens[0].mask.shape[-1]
+            q = torch.zeros(n, L, dtype=log_ratio.dtype)
+            eubo = torch.zeros(n, dtype=log_ratio.dtype)
+            for p in pieces:
+                q[p.rows], eubo[p.rows] = eubo_statistics(p.tokens, self.cfg.eubo_beta)
+            stats.update({"stabledrl/eubo_q": q, "stabledrl/eubo": eubo})
+        return stats
 
     def loss(self, inputs: StepInputs, stats: dict[str, Tensor]) -> tuple[Tensor, dict[str, Tensor]]:
         if "stabledrl/weights" not in stats or inputs.rows is None:
             raise ValueError("stabledrl.code needs the prepare statistics (stabledrl/weights) and StepInputs.rows")
         w = stats["stabledrl/weights"][inputs.rows]
         adv = inputs.advantages
-        pg = -(w * adv * inputs.new_logp).sum()
+        objective = inputs.new_logp
+        if inputs.tokens is not None:  # dLLM: the SPG sandwich (module docstring)
+            scale = inputs.tokens.mask.shape[-1] if inputs.reduce == "sum" else 1.0
+            q = stats["stabledrl/eubo_q"][inputs.rows]
+            n_mc = int(inputs.micro.old_logp.shape[1]) if inputs.micro is not None else 1
+            eubo = scale * eubo_piece(inputs.tokens, q, stats["stabledrl/eubo"][inputs.rows], self.cfg.eubo_beta, n_mc)
+            objective = sandwich(inputs.new_logp, eubo, adv, self.cfg.eubo_mix)
+        pg = -(w * adv * objective).sum()
         step_log_ratio = inputs.new_logp - inputs.old_logp
         metrics = ratio_metrics(step_log_ratio.exp(), step_log_ratio, None)
         seq = stats["stabledrl/log_ratio"]

@@ -1,0 +1,90 @@
+"""Exact verifiers for the arith testbed: text in, a score in [0, 1] out; malformed output scores 0.
+
+  addition  1 if the completion (up to the first <eos>) is exactly the decimal sum of the prompt's
+            operands, else 0 (no partial credit: a near-miss sum is still wrong).
+  sudoku    exact: 1 if the 16 digits fill the grid validly and keep every given cell, else 0.
+            partial credit: the share of the 12 units (rows, columns, boxes) holding 1-4 once each,
+            0 if a given cell was changed or the output is not 16 digits 1-4.
+
+Verifiers never raise on model output: any string is scored.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from pydantic import Field
+from torch import Tensor
+
+from rollout.arith import TOKENIZER, Task, parse_sudoku_prompt, sudoku_units_ok
+from rollout.config import StrictModel
+
+ADDITION_PROMPT = re.compile(r"^(\d+)\+(\d+)=$")
+
+
+def verify_addition(prompt: str, completion: str) -> float:
+    m = ADDITION_PROMPT.match(prompt)
+    if m is None or not completion.isdigit() or (len(completion) > 1 and completion[0] == "0"):
+        return 0.0
+    return float(int(completion) == int(m.group(1)) + int(m.group(2)))
+
+
+def verify_sudoku(prompt: str, completion: str, partial_credit: bool = False) -> float:
+    givens = parse_sudoku_prompt(prompt)
+    if givens is None or len(completion) != 16 or any(c not in "1234" for c in completion):
+        return 0.0
+    if any(g != "0" and g != c for g, c in zip(givens, completion)):
+        return 0.0
+    units = sudoku_units_ok(completion)
+    return sum(units) / len(units) if partial_credit else float(all(units))
+
+
+def verify(task: Task, prompt: str, completion: str, partial_credit: bool = False) -> float:
+    if task == "addition":
+        return verify_addition(prompt, completion)
+    if task == "sudoku":
+        return verify_sudoku(prompt, completion, partial_credit)
+    raise ValueError(f"unknown arith task {task!r}")
+
+
+class VerifierSpec(StrictModel):
+    """The arith reward: which task's verifier, and whether it gives partial credit (sudoku only)."""
+
+    task: Task = "addition"
+    partial_credit: bool = Field(False, description="sudoku: score the share of valid units, not just 0/1")
+    name: str = "verifier"
+
+
+@dataclass
+class VerifierReward:
+    """The reward model interface over token ids: `score(completions [B, L], prompts [B, P]) -> [B]`."""
+
+    task: Literal["addition", "sudoku"] = "addition"
+    partial_credit: bool = False
+    name: str = "verifier"
+
+    @classmethod
+    def from_spec(cls, spec: VerifierSpec) -> "VerifierReward":
+        return cls(task=spec.task, partial_credit=spec.partial_credit, name=spec.name)
+
+    def texts(self, samples: Tensor, cond: Tensor) -> list[tuple[str, str]]:
+        return [(TOKENIZER.decode(p), TOKENIZER.decode(c)) for p, c in zip(cond, samples)]
+
+    def score_texts(self, prompts: list[str], completions: list[str], partial_credit: bool | None = None) -> Tensor:
+        pc = self.partial_credit if partial_credit is None else partial_credit
+        return torch.tensor([verify(self.task, p, c, pc) for p, c in zip(prompts, completions)], dtype=torch.float32)
+
+    def score(self, samples: Tensor, cond: Tensor) -> Tensor:
+        prompts, completions = zip(*self.texts(samples, cond)) if len(samples) else ((), ())
+        return self.score_texts(list(prompts), list(completions))
+
+    def correct(self, samples: Tensor, cond: Tensor) -> Tensor:
+        """Exact 0/1 correctness (no partial credit): the held-out accuracy this testbed reports."""
+        prompts, completions = zip(*self.texts(samples, cond)) if len(samples) else ((), ())
+        return self.score_texts(list(prompts), list(completions), partial_credit=False)
+
+    def features(self, samples: Tensor) -> Tensor:
+        """One-hot tokens, flattened [B, L*V]: Euclidean distance^2 / 2 between two = Hamming distance."""
+        return torch.nn.functional.one_hot(samples.long(), len(TOKENIZER)).flatten(1).float()

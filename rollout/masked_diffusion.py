@@ -1,0 +1,154 @@
+"""LLaDA-style masked-diffusion sampling, behind the same sampler seam as the image samplers.
+
+Generation (one batch, fixed length L, `num_steps` steps, blocks of `block_length`):
+
+    x = [prompt | <mask> * L]
+    for each block b (left to right: semi-autoregressive), for each of its num_steps / num_blocks steps:
+        logits = model(x)                                   with CFG: u + (w + 1) (c - u), u = prompt masked
+        y_hat  = argmax(logits / T + G),  G ~ Gumbel(0, 1)  in float64 (T = 0: argmax, deterministic)
+        conf   = softmax(logits)[y_hat] (low_confidence) or U(0, 1) (random); -inf outside block b and
+                 at positions already decoded
+        commit the k highest-confidence positions of the row, k from the block's transfer schedule
+               (m masked tokens over s steps: m // s each, the first m % s steps one more)
+
+Greedy decoding (T = 0, low_confidence) is deterministic: the same prompt gives the same completion.
+`argmax(logits / T + G)` is LLaDA's `argmax(exp(logits) / (-log U)^T)` written without overflow.
+
+For training a "step" of this sampler is a Monte-Carlo mask sample j = 0..n-1 of the likelihood
+estimator (`rollout.likelihood`): the sequence log-likelihood of a sample is the mean over its n
+steps, which the learner uses as one sequence-level ratio (`sequence_level = True`).
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from rollout.batch import RolloutBatch
+from rollout.config import MaskedDiffusionSamplerConfig
+from rollout.likelihood import draw_masks, estimate
+from rollout.sampler import StepLogProb
+
+
+def transfer_schedule(masked: int, steps: int) -> list[int]:
+    """Tokens committed at each of `steps` steps for `masked` masked positions (LLaDA's schedule)."""
+    base, extra = divmod(masked, steps)
+    return [base + (1 if i < extra else 0) for i in range(steps)]
+
+
+def gumbel_argmax(logits: Tensor, temperature: float, generator: torch.Generator | None) -> Tensor:
+    """argmax(logits / T + Gumbel noise) (a sample of softmax(logits / T)); T = 0: plain argmax."""
+    if temperature == 0:
+        return logits.argmax(dim=-1)
+    u = torch.rand(logits.shape, generator=generator, dtype=torch.float64).clamp_(min=1e-20)
+    return (logits.double() / temperature - torch.log(-torch.log(u))).argmax(dim=-1)
+
+
+class MaskedDiffusionSampler:
+    """Masked-diffusion generation and the likelihood estimators' per-MC-sample log-probs."""
+
+    sequence_level = True
+
+    def __init__(self, cfg: MaskedDiffusionSamplerConfig, mask_token_id: int, seed: int = 0):
+        self.cfg = cfg
+        self.mask_token_id = int(mask_token_id)
+        n = cfg.mc_samples
+        self.timesteps = torch.arange(n)
+        self.trainable = torch.ones(n, dtype=torch.bool)
+        self.std = torch.ones(n, dtype=torch.float64)
+        self.dt = torch.ones(n, dtype=torch.float64)
+        self.fresh_masks = torch.Generator().manual_seed(seed + 7919)  # `masks: independent` only
+
+    @property
+    def reduce(self) -> str:
+        return self.cfg.logp_reduce
+
+    def train_steps(self, min_std: float = 0.0) -> Tensor:
+        """Every MC sample (there is no std to threshold)."""
+        return torch.arange(self.cfg.mc_samples)
+
+    # ------------------------------------------------------------------ generation
+    def _logits(self, policy, x: Tensor, prompt_length: int) -> Tensor:
+        """Next-guess logits ([B, S, V]); the mask token itself is never a guess."""
+        if self.cfg.cfg_scale == 0:
+            logits = policy(x).logits
+        else:
+            uncond = x.clone()
+            uncond[:, :prompt_length] = self.mask_token_id
+            cond, un = policy(torch.cat([x, uncond])).logits.chunk(2)
+            logits = un + (self.cfg.cfg_scale + 1) * (cond - un)
+        logits = logits.clone()
+        logits[..., self.mask_token_id] = -torch.inf
+        return logits
+
+    @torch.no_grad()
+    def generate(self, policy, prompts: Tensor, generator: torch.Generator | None = None) -> Tensor:
+        """Completions [B, L] for prompts [B, P] (see the module docstring)."""
+        cfg = self.cfg
+        L, block = cfg.gen_length, cfg.block_length or cfg.gen_length
+        n_blocks = L // block
+        per_block = cfg.num_steps // n_blocks
+        P = prompts.shape[1]
+        x = torch.cat([prompts, torch.full((len(prompts), L), self.mask_token_id, dtype=torch.long)], dim=1)
+        rows = torch.arange(len(prompts))
+        for b in range(n_blocks):
+            end = P + (b + 1) * block
+            for k in transfer_schedule(block, per_block):
+                if k == 0:
+                    continue
+                masked = x == self.mask_token_id
+                logits = self._logits(policy, x, P)
+                guess = gumbel_argmax(logits, cfg.temperature, generator)
+                if cfg.remasking == "low_confidence":
+                    conf = torch.softmax(logits.double(), dim=-1).gather(-1, guess.unsqueeze(-1)).squeeze(-1)
+                else:
+                    conf = torch.rand(x.shape, generator=generator, dtype=torch.float64)
+                conf[:, end:] = -torch.inf
+                conf = torch.where(masked, conf, -torch.inf)
+                pick = conf.topk(k, dim=-1).indices
+                x[rows.unsqueeze(1), pick] = guess[rows.unsqueeze(1), pick]
+        return x[:, P:]
+
+    @torch.no_grad()
+    def sample(self, policy, cond: Tensor, n_per_cond: int, generator: torch.Generator,
+               group_offset: int = 0, **_: object) -> RolloutBatch:
+        """`n_per_cond` completions per prompt (cond: prompt ids [C, P]); one group per prompt. Stores the
+        MC masks (extras `mc_masks` [B, n, L], `prompt_masks` [B, n, P]) and their estimates as old_logp [B, n]."""
+        prompts = cond.long().repeat_interleave(n_per_cond, dim=0)
+        group = (group_offset + torch.arange(len(cond))).repeat_interleave(n_per_cond)
+        completion = self.generate(policy, prompts, generator)
+        masks = draw_masks(self.cfg.estimator, len(prompts), self.cfg.mc_samples, self.cfg.gen_length,
+                           prompts.shape[1], self.cfg.prompt_mask_prob, generator)
+        batch = RolloutBatch(cond=prompts, group=group, samples=completion, traj=completion.unsqueeze(1),
+                             old_logp=torch.zeros(len(prompts), self.cfg.mc_samples),
+                             timesteps=self.timesteps.clone(), trainable=self.trainable.clone(),
+                             extras={"mc_masks": masks.completion, "prompt_masks": masks.prompt})
+        logp = torch.stack([self.log_prob(policy, batch, j).logp
+                            for j in range(self.cfg.mc_samples)], dim=1)
+        return batch.replace(old_logp=logp)
+
+    # ------------------------------------------------------------------ likelihood
+    @property
+    def independent_masks(self) -> bool:
+        """`masks: independent`: the learner evaluates the new policy on masks of its own (`with_fresh_masks`)."""
+        return self.cfg.masks == "independent"
+
+    def with_fresh_masks(self, batch: RolloutBatch) -> RolloutBatch:
+        """The batch with newly drawn MC masks (independent of the rollout's, which the old policy keeps)."""
+        masks = draw_masks(self.cfg.estimator, len(batch), self.cfg.mc_samples, batch.samples.shape[1],
+                           batch.cond.shape[1], self.cfg.prompt_mask_prob, self.fresh_masks)
+        return batch.with_extras(mc_masks=masks.completion, prompt_masks=masks.prompt)
+
+    def log_prob(self, policy, batch: RolloutBatch, step: Tensor | int) -> StepLogProb:
+        """The estimator at MC sample(s) `step` (int or [B]) of each row, with the batch's stored masks:
+        logp [B], and the per-token terms in `tokens`."""
+        if isinstance(step, int):
+            step = torch.full((len(batch),), step, dtype=torch.long)
+        rows = torch.arange(len(batch))
+        masks = (batch.extras["mc_masks"][rows, step], batch.extras["prompt_masks"][rows, step])
+        seq = estimate(policy, self.cfg.estimator, batch.cond, batch.samples, masks, self.mask_token_id, self.reduce)
+        return StepLogProb(seq.logp, None, None, tokens=seq)
+
+    def kl(self, new: StepLogProb, ref: StepLogProb) -> Tensor:
+        """k3 estimate of KL(pi_theta || pi_ref) per sample: exp(d) - d - 1, d = log pi_ref - log pi_theta."""
+        d = ref.logp - new.logp
+        return d.exp() - d - 1
