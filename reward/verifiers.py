@@ -20,6 +20,9 @@ from torch import Tensor
 
 from rollout.arith import TOKENIZER, Task, parse_sudoku_prompt, sudoku_units_ok
 from rollout.config import StrictModel
+from rollout.text_codec import TextCodec, load_codec
+
+FEATURE_BUCKETS = 1024
 
 ADDITION_PROMPT = re.compile(r"^(\d+)\+(\d+)=$")
 
@@ -42,6 +45,8 @@ def verify_sudoku(prompt: str, completion: str, partial_credit: bool = False) ->
 
 
 def verify(task: Task, prompt: str, completion: str, partial_credit: bool = False) -> float:
+    """The task's verifier on whitespace-free text (a subword tokenizer may decode '07+45=' with spaces)."""
+    prompt, completion = "".join(prompt.split()), "".join(completion.split())
     if task == "addition":
         return verify_addition(prompt, completion)
     if task == "sudoku":
@@ -55,6 +60,9 @@ class VerifierSpec(StrictModel):
     task: Task = "addition"
     partial_credit: bool = Field(False, description="sudoku: score the share of valid units, not just 0/1")
     name: str = "verifier"
+    tokenizer: str | None = Field(None, description="decode token ids with this model's tokenizer (hub id or "
+                                  "directory); None: the arith character tokenizer")
+    trust_remote_code: bool = False
 
 
 @dataclass
@@ -64,17 +72,29 @@ class VerifierReward:
     task: Literal["addition", "sudoku"] = "addition"
     partial_credit: bool = False
     name: str = "verifier"
+    codec: TextCodec = TOKENIZER
 
     @classmethod
     def from_spec(cls, spec: VerifierSpec) -> "VerifierReward":
-        return cls(task=spec.task, partial_credit=spec.partial_credit, name=spec.name)
+        return cls(task=spec.task, partial_credit=spec.partial_credit, name=spec.name,
+                   codec=load_codec(spec.tokenizer, spec.trust_remote_code))
 
     def texts(self, samples: Tensor, cond: Tensor) -> list[tuple[str, str]]:
-        return [(TOKENIZER.decode(p), TOKENIZER.decode(c)) for p, c in zip(cond, samples)]
+        decode = self.codec.decode
+        return [(decode(p[p != self.codec.pad_id]), decode(c)) for p, c in zip(cond, samples)]
 
     def score_texts(self, prompts: list[str], completions: list[str], partial_credit: bool | None = None) -> Tensor:
         pc = self.partial_credit if partial_credit is None else partial_credit
         return torch.tensor([verify(self.task, p, c, pc) for p, c in zip(prompts, completions)], dtype=torch.float32)
+
+    def score_items(self, prompts: list[str | list[int]], completions: list[str | list[int]]) -> tuple[Tensor, Tensor]:
+        """(scores, exact 0/1) of text or token-id items (ids are decoded with this verifier's tokenizer)."""
+
+        def text(item: str | list[int]) -> str:
+            return item if isinstance(item, str) else self.codec.decode(item)
+
+        p, c = [text(x) for x in prompts], [text(x) for x in completions]
+        return self.score_texts(p, c), self.score_texts(p, c, partial_credit=False)
 
     def score(self, samples: Tensor, cond: Tensor) -> Tensor:
         prompts, completions = zip(*self.texts(samples, cond)) if len(samples) else ((), ())
@@ -86,5 +106,10 @@ class VerifierReward:
         return self.score_texts(list(prompts), list(completions), partial_credit=False)
 
     def features(self, samples: Tensor) -> Tensor:
-        """One-hot tokens, flattened [B, L*V]: Euclidean distance^2 / 2 between two = Hamming distance."""
-        return torch.nn.functional.one_hot(samples.long(), len(TOKENIZER)).flatten(1).float()
+        """One-hot tokens, flattened [B, L*V]: Euclidean distance^2 / 2 between two = Hamming distance
+        (a large vocabulary is hashed into FEATURE_BUCKETS ids first: Hamming up to rare collisions)."""
+        ids = samples.long()
+        width = max(len(self.codec), int(ids.max()) + 1 if ids.numel() else 1)  # a model may emit ids past its tokenizer
+        if width > FEATURE_BUCKETS:
+            ids, width = ids % FEATURE_BUCKETS, FEATURE_BUCKETS
+        return torch.nn.functional.one_hot(ids, width).flatten(1).float()

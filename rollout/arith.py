@@ -134,14 +134,16 @@ class ArithTask:
     def problems(self, seed: int, indices: Sequence[int]) -> list[Problem]:
         return [self.problem(seed, i) for i in indices]
 
-    def encode_prompts(self, problems: Sequence[Problem]) -> Tensor:
-        """[N, prompt_length] token ids."""
-        return torch.tensor([TOKENIZER.encode(p.prompt) for p in problems], dtype=torch.long)
+    def encode_prompts(self, problems: Sequence[Problem], codec=TOKENIZER) -> Tensor:
+        """[N, P] token ids (a real model's tokenizer may give prompts of different lengths: left-padded)."""
+        rows = [codec.encode(p.prompt) for p in problems]
+        width = max(len(r) for r in rows)
+        return torch.tensor([[codec.pad_id] * (width - len(r)) + r for r in rows], dtype=torch.long)
 
-    def encode_completions(self, problems: Sequence[Problem]) -> Tensor:
+    def encode_completions(self, problems: Sequence[Problem], codec=TOKENIZER) -> Tensor:
         """[N, gen_length] token ids: the reference answer then <eos>."""
         rows = []
         for p in problems:
-            ids = TOKENIZER.encode(p.answer)
-            rows.append(ids + [TOKENIZER.eos_id] * (self.gen_length - len(ids)))
+            ids = codec.encode(p.answer)[: self.gen_length]
+            rows.append(ids + [codec.eos_id] * (self.gen_length - len(ids)))
         return torch.tensor(rows, dtype=torch.long)

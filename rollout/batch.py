@@ -19,10 +19,13 @@ PER_SAMPLE_FIELDS = (
 class RolloutBatch:
     """A batch of sampled trajectories.
 
-    cond [B]: class / prompt ids.  group [B]: prompt group (GRPO statistics are taken within it).
-    samples [B,...]: final samples x_0.  traj [B,T+1,...]: x_T ... x_0 (one latent per inference step).
-    old_logp [B,T]: log pi_old(x_{t_prev} | x_t) per step (0 where the step is not stochastic).
-    timesteps [T]: model timesteps per inference step.  trainable [T]: step is stochastic (sigma >= 1e-3).
+    cond [B]: class ids, or [B,P] prompt token ids (dLLMs).  group [B]: prompt group (GRPO statistics are
+    taken within it).  samples [B,...]: final samples x_0 (dLLMs: completion token ids [B,L]).
+    traj [B,T+1,...]: x_T ... x_0 (one latent per inference step; dLLMs: the completion only, [B,1,L]).
+    old_logp [B,T]: log pi_old(x_{t_prev} | x_t) per step (0 where the step is not stochastic); dLLMs: the
+    likelihood estimate under each of T MC mask samples (the masks are extras `mc_masks`, `prompt_masks`).
+    timesteps [T]: model timesteps per inference step (dLLMs: MC sample index).  trainable [T]: step is
+    stochastic (sigma >= 1e-3).
     rewards [B,K] with reward_names [K]; the column named `reward_key` is the training reward.
     extras: per-sample tensors ([B,...]: gates, masks, behaviour log-probs, policy version, ...) that
     `index`, `split`, `concat` and `to` carry like the named fields, so none falls out of a micro-batch.

@@ -48,7 +48,7 @@ class MaskedDiffusionSampler:
 
     sequence_level = True
 
-    def __init__(self, cfg: MaskedDiffusionSamplerConfig, mask_token_id: int, seed: int = 0):
+    def __init__(self, cfg: MaskedDiffusionSamplerConfig, mask_token_id: int):
         self.cfg = cfg
         self.mask_token_id = int(mask_token_id)
         n = cfg.mc_samples
@@ -56,7 +56,6 @@ class MaskedDiffusionSampler:
         self.trainable = torch.ones(n, dtype=torch.bool)
         self.std = torch.ones(n, dtype=torch.float64)
         self.dt = torch.ones(n, dtype=torch.float64)
-        self.fresh_masks = torch.Generator().manual_seed(seed + 7919)  # `masks: independent` only
 
     @property
     def reduce(self) -> str:
@@ -132,10 +131,10 @@ class MaskedDiffusionSampler:
         """`masks: independent`: the learner evaluates the new policy on masks of its own (`with_fresh_masks`)."""
         return self.cfg.masks == "independent"
 
-    def with_fresh_masks(self, batch: RolloutBatch) -> RolloutBatch:
+    def with_fresh_masks(self, batch: RolloutBatch, generator: torch.Generator) -> RolloutBatch:
         """The batch with newly drawn MC masks (independent of the rollout's, which the old policy keeps)."""
         masks = draw_masks(self.cfg.estimator, len(batch), self.cfg.mc_samples, batch.samples.shape[1],
-                           batch.cond.shape[1], self.cfg.prompt_mask_prob, self.fresh_masks)
+                           batch.cond.shape[1], self.cfg.prompt_mask_prob, generator)
         return batch.with_extras(mc_masks=masks.completion, prompt_masks=masks.prompt)
 
     def log_prob(self, policy, batch: RolloutBatch, step: Tensor | int) -> StepLogProb:

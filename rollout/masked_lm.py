@@ -56,9 +56,9 @@ def masked_lm_from_weights(cfg: MaskedLMConfig, vocab_size: int, weights: dict[s
 _REMOTE_AUTO_CLASSES = ("AutoModelForMaskedLM", "AutoModelForCausalLM", "AutoModel")
 
 
-def load_pretrained_masked_lm(name_or_path: str, trust_remote_code: bool = False,
-                              dtype: torch.dtype | None = None) -> tuple[nn.Module, int]:
-    """(model in eval mode, mask token id) of a real masked-diffusion LM, by hub id or local directory.
+def resolve_pretrained_masked_lm(name_or_path: str, trust_remote_code: bool = False) -> tuple[Any, Any, int]:
+    """(config, the transformers Auto class that builds it, mask token id) of a real masked-diffusion LM,
+    without loading its weights.
 
     Two routes, both called as `model(input_ids).logits` by the samplers:
       remote code   LLaDA-style repos ship their modelling files and name them in config.json's `auto_map`
@@ -81,9 +81,6 @@ def load_pretrained_masked_lm(name_or_path: str, trust_remote_code: bool = False
         raise ValueError(f"model {name_or_path!r} ships its own modelling code (config.json `auto_map`, as LLaDA "
                          "does): loading it runs that code, so pass trust_remote_code=True if you trust "
                          "it") from err
-    kwargs: dict[str, Any] = {"trust_remote_code": trust_remote_code}
-    if dtype is not None:
-        kwargs["dtype"] = dtype
     auto_map = getattr(config, "auto_map", None) or {}
     remote = [name for name in _REMOTE_AUTO_CLASSES if name in auto_map] if trust_remote_code else []
     if remote:
@@ -105,9 +102,29 @@ def load_pretrained_masked_lm(name_or_path: str, trust_remote_code: bool = False
     vocab = getattr(config, "vocab_size", None)
     if isinstance(vocab, int) and not 0 <= int(mask_id) < vocab:
         raise ValueError(f"model {name_or_path!r}: mask token id {mask_id} is outside its vocabulary ({vocab})")
-    # the mask id is settled before the (possibly many-GB) weights load
+    return config, loader, int(mask_id)
+
+
+def load_pretrained_masked_lm(name_or_path: str, trust_remote_code: bool = False,
+                              dtype: torch.dtype | None = None) -> tuple[nn.Module, int]:
+    """(model in eval mode, mask token id) of a real masked-diffusion LM, by hub id or local directory
+    (`resolve_pretrained_masked_lm` says how; the mask id is settled before the weights load)."""
+    config, loader, mask_id = resolve_pretrained_masked_lm(name_or_path, trust_remote_code)
+    kwargs: dict[str, Any] = {"trust_remote_code": trust_remote_code}
+    if dtype is not None:
+        kwargs["dtype"] = dtype
     model = loader.from_pretrained(name_or_path, config=config, **kwargs)
-    return model.eval(), int(mask_id)
+    return model.eval(), mask_id
+
+
+def pretrained_architecture_with_weights(name_or_path: str, weights: dict[str, Tensor],
+                                         trust_remote_code: bool = False) -> nn.Module:
+    """The architecture of `name_or_path` (its config only: no weight download) holding `weights`, e.g. a
+    state dict that came through Ray's object store."""
+    config, loader, _ = resolve_pretrained_masked_lm(name_or_path, trust_remote_code)
+    model = loader.from_config(config, trust_remote_code=trust_remote_code)
+    model.load_state_dict(weights)
+    return model.to(next(iter(weights.values())).dtype).eval()
 
 
 def _tokenizer_mask_id(name_or_path: str, trust_remote_code: bool) -> int | None:

@@ -78,6 +78,7 @@ class GaussianStepSampler(ABC):
     std: Tensor
     dt: Tensor
     trainable: Tensor
+    sequence_level = False  # each step is its own ratio (masked diffusion: the mean over its steps is one)
 
     @property
     def reduce(self) -> str:
@@ -148,8 +149,6 @@ class GaussianStepSampler(ABC):
         """The step distribution at the stored x_t (e.g. of the reference policy, for a KL)."""
         step = self._steps(batch, step)
         return self.step_distribution(policy, batch.traj[torch.arange(len(batch)), step], step, batch.cond)
-
-    sequence_level = False  # each step is its own ratio (masked diffusion: the mean over steps is one)
 
     def kl(self, new: StepLogProb, ref: StepLogProb) -> Tensor:
         """KL(N(mean_new, std^2) || N(mean_ref, std^2)) per sample [B] at one step (the reference's std;

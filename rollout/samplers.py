@@ -5,8 +5,7 @@ from rollout.config import (DDIMSamplerConfig, FlowSDESamplerConfig, MaskedDiffu
                             SchedulerConfig)
 
 
-def build_sampler(cfg: SamplerBase, scheduler: SchedulerConfig | None = None, mask_token_id: int | None = None,
-                  seed: int = 0):
+def build_sampler(cfg: SamplerBase, scheduler: SchedulerConfig | None = None, mask_token_id: int | None = None):
     """DDIM (epsilon model), flow-SDE (velocity model) or masked diffusion (a masked LM), by `cfg.kind`."""
     if isinstance(cfg, DDIMSamplerConfig):
         from rollout.ddim import DDIMLogProbSampler
@@ -22,6 +21,6 @@ def build_sampler(cfg: SamplerBase, scheduler: SchedulerConfig | None = None, ma
 
         if mask_token_id is None:
             raise ValueError("sampler.kind='masked_diffusion' needs the model's mask token id")
-        return MaskedDiffusionSampler(cfg, mask_token_id, seed)
+        return MaskedDiffusionSampler(cfg, mask_token_id)
     raise ValueError(f"sampler.kind={getattr(cfg, 'kind', None)!r} is not a known sampler "
                      "(ddim, flow_sde, masked_diffusion)")

@@ -34,6 +34,11 @@ class ArithConfig(StrictModel):
     blanks: int = Field(6, ge=1, le=16, description="sudoku: hidden cells of the 4x4 grid")
     model: MaskedLMConfig = Field(default_factory=MaskedLMConfig)
     pretrain: MaskedLMPretrainConfig = Field(default_factory=MaskedLMPretrainConfig)
+    pretrained: str | None = Field(
+        None, description="a real masked-diffusion LM by hub id or local directory (LLaDA, or any masked LM "
+        "transformers implements) with its own tokenizer, instead of the tiny BERT built here (`model`, `pretrain` "
+        "then unused). Its full weights go through Ray's object store: fine for small models; LoRA comes later")
+    trust_remote_code: bool = Field(False, description="run the model repo's own modelling code (LLaDA needs it)")
     partial_credit: bool = Field(False, description="sudoku: reward the share of valid rows/columns/boxes")
     prompts_per_step: int = Field(16, ge=1, description="fresh problems per RL step (split over rollout workers)")
     train_seed: int = Field(202, description="seed of the RL problems (pre-training and eval use others)")

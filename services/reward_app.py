@@ -24,7 +24,6 @@ from reward.config import RewardConfig
 from reward.ensemble import EnsembleScores, combine_scores
 from reward.jpeg import JpegCompressibilityReward
 from reward.verifiers import VerifierReward, VerifierSpec
-from rollout.arith import TOKENIZER
 from rollout.digits import IMAGE_SHAPE, NUM_CLASSES
 from services.config import ServeConfig
 
@@ -87,22 +86,20 @@ class ScoreRequest(BaseModel):
 
 
 class TextScoreRequest(BaseModel):
-    """Prompt/completion pairs of the arith testbed, as text ("07+45=", "52") or as token ids."""
+    """Prompt/completion pairs of a dLLM testbed, as text ("07+45=", "52") or as token ids of the app's
+    tokenizer. Any text can be scored: a malformed completion scores 0."""
 
     model_config = ConfigDict(extra="forbid")
-    prompts: list[str] | list[list[int]] = Field(..., min_length=1, description="text, or token ids per prompt")
-    completions: list[str] | list[list[int]] = Field(..., min_length=1,
-                                                     description="text (no <eos> needed), or token ids")
+    prompts: list[str | list[int]] = Field(..., min_length=1, description="text, or token ids, per prompt")
+    completions: list[str | list[int]] = Field(..., min_length=1, description="text, or token ids (up to <eos>)")
     group: list[int] | None = Field(None, description="group id per sample (ranks are taken within a group)")
 
     @field_validator("prompts", "completions")
     @classmethod
-    def _tokens(cls, v: list[Any]) -> list[Any]:
+    def _ids(cls, v: list[Any]) -> list[Any]:
         for i, item in enumerate(v):
-            if isinstance(item, str):
-                TOKENIZER.encode(item)  # raises naming the unknown characters
-            elif any(not 0 <= t < len(TOKENIZER) for t in item):
-                raise ValueError(f"item {i}: token ids must be in [0, {len(TOKENIZER) - 1}]")
+            if not isinstance(item, str) and any(t < 0 for t in item):
+                raise ValueError(f"item {i}: token ids must be >= 0")
         return v
 
     @model_validator(mode="after")
@@ -112,17 +109,6 @@ class TextScoreRequest(BaseModel):
         if self.group is not None and len(self.group) != len(self.prompts):
             raise ValueError(f"group has {len(self.group)} entries but there are {len(self.prompts)} samples")
         return self
-
-    def tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """(completions [B, L], prompts [B, P]) as token ids, right-padded with <eos> / <pad>."""
-
-        def ids(items: list[Any], fill: int) -> torch.Tensor:
-            rows = [TOKENIZER.encode(x) if isinstance(x, str) else list(x) for x in items]
-            width = max(1, max(len(r) for r in rows))
-            return torch.tensor([r + [fill] * (width - len(r)) for r in rows], dtype=torch.long)
-
-        group = None if self.group is None else torch.tensor(self.group, dtype=torch.long)
-        return ids(self.completions, TOKENIZER.eos_id), ids(self.prompts, TOKENIZER.pad_id), group
 
 
 class ScoreResponse(BaseModel):
@@ -162,6 +148,12 @@ class RewardModelDeployment:
             return [check_scores(self.name, self.model.score(s, c), len(c)) for s, c in zip(samples, cond)]
         out = check_scores(self.name, self.model.score(torch.cat(samples), torch.cat(cond)), sum(sizes))
         return list(out.split(sizes))
+
+    async def score_items(self, prompts: list[Any], completions: list[Any]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Verifiers: (scores, exact 0/1) of text or token-id items (REST /score_text)."""
+        if not isinstance(self.model, VerifierReward):
+            raise ValueError(f"reward model {self.name!r} scores images, not text")
+        return self.model.score_items(prompts, completions)
 
     async def correct(self, samples: torch.Tensor, cond: torch.Tensor) -> torch.Tensor:
         return self.model.correct(samples, cond)
@@ -223,10 +215,19 @@ class RewardEnsembleIngress:
     @api.post("/score_text", response_model=ScoreResponse)
     async def score_text_http(self, request: TextScoreRequest) -> ScoreResponse:
         self._wrong_route("/score_text", "arith")
-        return await self._respond(*request.tensors())
+        p, c = request.prompts, request.completions
+        cols = await asyncio.gather(*[m.score_items.remote(p, c) for m in self.members])
+        gold_score, gold_correct = await self.gold.score_items.remote(p, c)
+        group = None if request.group is None else torch.tensor(request.group, dtype=torch.long)
+        out = combine_scores(self.member_names, torch.stack([col[0] for col in cols], dim=1), group, self.train_on)
+        out.monitors = {self.gold_name: gold_score, f"{self.gold_name}_correct": gold_correct}
+        return self._response(out)
 
     async def _respond(self, samples: torch.Tensor, cond: torch.Tensor, group: torch.Tensor | None) -> ScoreResponse:
-        out = await self.score_tensors(samples, cond, group, with_features=False)
+        return self._response(await self.score_tensors(samples, cond, group, with_features=False))
+
+    @staticmethod
+    def _response(out: EnsembleScores) -> ScoreResponse:
         return ScoreResponse(
             names=out.names, scores=out.scores.tolist(), mean=out.mean.tolist(), std=out.std.tolist(),
             uncertainty=out.uncertainty.tolist(), reward=out.reward.tolist(), train_on=out.train_on,

@@ -89,3 +89,19 @@ def test_verifier_features_measure_hamming_distance():
     f = VerifierReward().features(a)
     d2 = torch.cdist(f, f) ** 2 / 2
     assert torch.allclose(d2, torch.tensor([[0.0, 1, 3], [1, 0, 3], [3, 3, 0]]), atol=1e-5)
+
+
+def test_the_sudoku_task_pretrains_samples_and_trains_in_process():
+    """The harder task end to end in one process (a short pre-training: the path, not the accuracy)."""
+    from benchmarks.inprocess import run_in_process
+    from services.config import CONFIG_DIR, load_config
+    from services.runtime import free_port
+
+    cfg = load_config(CONFIG_DIR / "arith-sudoku-grpo.yaml",
+                      ["arith.pretrain.iterations=10", "arith.pretrain.batch_size=16", "run.steps=1",
+                       "arith.eval_problems=6", "arith.prompts_per_step=2", "sampler.samples_per_class=4",
+                       "learner.micro_batch_size=8", "learner.optim_batch_size=8"])
+    out = run_in_process(cfg, free_port(), eval_every=1)
+    assert out["stopped_at"] is None and len(out["rows"]) == 1
+    assert 0 <= out["rows"][0]["proxy"] <= 1 and out["evals"][-1]["breakdown"] == {
+        "16-digit answers": out["evals"][-1]["gold_accuracy"]}

@@ -57,14 +57,16 @@ def test_cli_eval_rejects_a_folder_that_is_not_a_run(tmp_path):
     assert result.exit_code == 2 and "not a run folder" in result.output
 
 
-@pytest.mark.parametrize("preset", ["arith-grpo", "arith-stabledrl", "arith-stabledrl-code", "arith-bgpo"])
+@pytest.mark.parametrize("preset", ["arith-grpo", "arith-stabledrl", "arith-stabledrl-code", "arith-bgpo",
+                                    "arith-sudoku-grpo"])
 def test_arith_presets_load_with_their_objective_and_the_masked_diffusion_sampler(preset):
     from services.config import CONFIG_DIR
 
     cfg = load_config(CONFIG_DIR / f"{preset}.yaml")
     assert cfg.testbed == "arith" and cfg.sampler.kind == "masked_diffusion"
     assert cfg.objective.name == {"arith-grpo": "grpo", "arith-stabledrl": "stabledrl.paper",
-                                  "arith-stabledrl-code": "stabledrl.code", "arith-bgpo": "bgpo.paper"}[preset]
+                                  "arith-stabledrl-code": "stabledrl.code", "arith-bgpo": "bgpo.paper",
+                                  "arith-sudoku-grpo": "grpo"}[preset]
 
 
 @pytest.mark.parametrize("overrides, field", [

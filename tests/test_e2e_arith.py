@@ -51,17 +51,17 @@ def test_the_verifier_app_scores_text_and_token_ids_over_http(ray_cluster, serve
     deploy_reward_app(testbed.reward_spec())
     url = f"http://127.0.0.1:{serve_port}{ROUTE_PREFIX}"
     try:
-        body = {"prompts": ["07+45=", "99+99=", "12+30="], "completions": ["52", "197", "4x"]}
-        resp = httpx.post(f"{url}/score_text", json=body, timeout=60)
-        assert resp.status_code == 422 and "completions" in resp.text and "'x'" in resp.text
-        body["completions"][2] = "42"
+        body = {"prompts": ["07+45=", "99+99=", "12+30=", "12+30="], "completions": ["52", "197", "42", "4x"]}
         out = httpx.post(f"{url}/score_text", json=body, timeout=60).json()
-        assert out["reward"] == [1.0, 0.0, 1.0] and out["monitors"]["exact_correct"] == [1.0, 0.0, 1.0]
+        # any text is scored; malformed output ("4x") scores 0
+        assert out["reward"] == [1.0, 0.0, 1.0, 0.0] and out["monitors"]["exact_correct"] == [1.0, 0.0, 1.0, 0.0]
         ids = {"prompts": [TOKENIZER.encode("07+45=")], "completions": [TOKENIZER.encode("52") + [TOKENIZER.eos_id] * 2]}
         assert httpx.post(f"{url}/score_text", json=ids, timeout=60).json()["reward"] == [1.0]
         wrong = httpx.post(f"{url}/score", json={"samples": [[[0.0] * 8] * 8], "cond": [1]}, timeout=60)
         assert wrong.status_code == 400 and "/score_text" in wrong.text
         bad = httpx.post(f"{url}/score_text", json={"prompts": ["07+45="], "completions": ["52", "1"]}, timeout=60)
         assert bad.status_code == 422 and "completions" in bad.text
+        neg = httpx.post(f"{url}/score_text", json={"prompts": [[-1]], "completions": ["5"]}, timeout=60)
+        assert neg.status_code == 422 and "token ids must be >= 0" in neg.text
     finally:
         serve.delete(APP_NAME)  # the session's other tests expect the digits ensemble under this name

@@ -14,6 +14,13 @@ One `update(batch)`:
 
 Reward back-propagation objectives (DRaFT-K, GRPO-Guard's seed form) instead re-run the last K
 sampling steps with gradients and the recorded noise, and back-propagate a differentiable reward.
+
+Masked-diffusion samplers (dLLMs) are sequence-level: their "steps" are the n MC mask samples of one
+likelihood estimate. Every sample trains on all n; objectives whose ratio is the sequence's
+(`ratio_scope = "sequence"`: GRPO, StableDRL) run through `_sequence_step`, which gives the exact
+gradient of the one-graph objective in n backward passes; BGPO's bound is per MC sample and runs
+through the per-step path. With `sampler.masks: independent` the new policy's masks are redrawn per
+optimisation step (from the learner's checkpointed generator); the old policy keeps the rollout's.
 """
 from __future__ import annotations
 
@@ -30,6 +37,7 @@ from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
 from rollout.batch import RolloutBatch
+from rollout.masked_diffusion import MaskedDiffusionSampler
 from rollout.sampler import GaussianStepSampler, StepLogProb
 from trainer.balanced_gradient import (DualMomentum, RollingQuantileClipper, apply_module_precision,
                                       enable_activation_checkpointing, scale_module_gradients)
@@ -103,7 +111,7 @@ class DeepSpeedLearner:
     def __init__(
         self,
         policy: nn.Module,
-        sampler: GaussianStepSampler,
+        sampler: GaussianStepSampler | MaskedDiffusionSampler,
         objective_cfg: ObjectiveSettings,
         learner_cfg: LearnerConfig,
         seed: int = 0,
@@ -124,7 +132,7 @@ class DeepSpeedLearner:
             if not 1 <= k <= len(sampler.timesteps):
                 raise ValueError(f"objective.backprop_steps={k} must be in [1, {len(sampler.timesteps)}]")
             self.steps_per_sample = 1
-        elif getattr(sampler, "sequence_level", False):
+        elif sampler.sequence_level:
             if self.objective.needs_old_mean:
                 raise ValueError(f"objective {objective_cfg.name!r} needs Gaussian step means: it does not apply to "
                                  f"sampler.kind={sampler.cfg.kind!r}")
@@ -216,7 +224,7 @@ class DeepSpeedLearner:
     @property
     def sequence_level(self) -> bool:
         """The sampler's steps are MC samples of one sequence-level likelihood (masked diffusion)."""
-        return bool(getattr(self.sampler, "sequence_level", False))
+        return self.sampler.sequence_level
 
     def _kl_to_reference(self, mb: RolloutBatch, step: Tensor, new: StepLogProb | None = None) -> Tensor:
         """Per-sample KL of the policy step to the reference step (grad flows through `new`)."""
@@ -288,8 +296,8 @@ class DeepSpeedLearner:
     def _policy_gradient_step(self, group: list[RolloutBatch], olds: list[OldPolicy], sums: MetricSums) -> None:
         """One optimisation step of a per-step likelihood-ratio objective over `group`'s micro-batches."""
         assert isinstance(self.objective, PolicyGradientObjective)
-        if getattr(self.sampler, "independent_masks", False):  # the new policy's masks, fresh per optimiser step
-            group = [self.sampler.with_fresh_masks(mb) for mb in group]
+        if self.sequence_level and self.sampler.independent_masks:  # the new policy's masks, fresh per optimiser step
+            group = [self.sampler.with_fresh_masks(mb, self.generator) for mb in group]
         if self.sequence_level and self.objective.ratio_scope == "sequence":
             return self._sequence_step(group, olds, sums)
         steps, n = self.train_steps, self.steps_per_sample
