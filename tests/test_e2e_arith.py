@@ -65,3 +65,17 @@ def test_the_verifier_app_scores_text_and_token_ids_over_http(ray_cluster, serve
         assert neg.status_code == 422 and "token ids must be >= 0" in neg.text
     finally:
         serve.delete(APP_NAME)  # the session's other tests expect the digits ensemble under this name
+
+
+@pytest.mark.parametrize("preset, own_key", [("arith-stabledrl", "stabledrl/norm"),
+                                             ("arith-stabledrl-code", "stabledrl/weight_max"),
+                                             ("arith-bgpo", "bgpo/bound_mean")])
+def test_every_dllm_preset_runs_through_the_services(preset, own_key, ray_cluster, serve_port, tmp_path):
+    run_dir = tmp_path / "run"
+    result = train(CONFIG_DIR / f"{preset}.yaml",
+                   [f"run.run_dir={run_dir}", "run.steps=3", "run.eval_every=3", "run.checkpoint_every=3",
+                    "run.progress=false", "serve.port=0", "arith.eval_problems=20"])
+    assert not result.interrupted and result.steps_done == 3
+    rows = read_metrics(run_dir)
+    assert len(rows) == 3 and all(own_key in r and r[own_key] == r[own_key] for r in rows)
+    assert all(r["policy/grad_norm"] > 0 for r in rows)

@@ -1,0 +1,22 @@
+"""Testbeds: what the services read instead of constants (DESIGN §7).
+
+A testbed joins its data half (rollout/: prompts, policy, sampler, pre-training) and its scoring half
+(reward/: reward models, gold monitor or verifier, eval summary) by name. The rollout workers, the
+learner, the controller, `steadyrl eval` and the reward app all go through this object, so a new
+testbed is a new module here (`base.Testbed`), not a fork of the loop.
+"""
+from __future__ import annotations
+
+from services.config import TrainConfig
+from services.testbeds.arith import ArithTestbed
+from services.testbeds.base import Testbed
+from services.testbeds.digits import DigitsTestbed
+
+TESTBEDS: dict[str, type[Testbed]] = {"digits": DigitsTestbed, "arith": ArithTestbed}
+
+
+def build_testbed(cfg: TrainConfig) -> Testbed:
+    return TESTBEDS[cfg.testbed](cfg)
+
+
+__all__ = ["TESTBEDS", "ArithTestbed", "DigitsTestbed", "Testbed", "build_testbed"]

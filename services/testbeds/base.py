@@ -1,0 +1,103 @@
+"""The testbed interface: what the services read instead of constants (see the package docstring)."""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from pathlib import Path
+from typing import Any
+
+from torch import Tensor, nn
+
+from reward.ensemble import EnsembleScores, RewardEnsemble
+from rollout.batch import RolloutBatch
+from services.config import TrainConfig
+
+
+class Testbed(ABC):
+    """One testbed of a run's config. Prompts are integer tensors: class ids [C] or prompt tokens [C, P]."""
+
+    name: str
+    #: (label of the training reward, label of the held-out accuracy) in progress bars and tables
+    labels: tuple[str, str] = ("proxy", "gold")
+
+    def __init__(self, cfg: TrainConfig):
+        self.cfg = cfg
+
+    # ------------------------------------------------------------------ data half
+    @abstractmethod
+    def base_weights(self, progress: bool = True) -> Path:
+        """The pre-trained policy's weights (built and cached on first use)."""
+
+    @abstractmethod
+    def build_policy(self, weights: dict[str, Tensor]) -> nn.Module:
+        """The policy network holding `weights`, in eval mode."""
+
+    @abstractmethod
+    def build_sampler(self):
+        """The sampler of `cfg.sampler`, ready for this testbed's policy."""
+
+    @property
+    @abstractmethod
+    def max_workers(self) -> int:
+        """Rollout workers this testbed can split its prompts over."""
+
+    @abstractmethod
+    def train_prompts(self, worker: int, n_workers: int, step: int) -> tuple[Tensor, int]:
+        """(prompts of `worker` at `step`, its first group id; group ids never collide across workers)."""
+
+    @abstractmethod
+    def eval_prompts(self) -> Tensor:
+        """The fixed held-out prompts of every evaluation."""
+
+    def eval_sampler(self):
+        """The sampler evaluations use (the training sampler unless the testbed says otherwise)."""
+        return self.build_sampler()
+
+    @property
+    def eval_per_prompt(self) -> int:
+        """Samples per evaluation prompt."""
+        return self.cfg.run.eval_samples_per_class
+
+    # ------------------------------------------------------------------ scoring half
+    @abstractmethod
+    def prepare_rewards(self, console=None) -> None:
+        """Build/check the reward models before Serve loads them (and print what was built)."""
+
+    @abstractmethod
+    def reward_ensemble(self) -> RewardEnsemble:
+        """The same reward models in-process (evaluation without Ray, benchmarks)."""
+
+    @abstractmethod
+    def reward_spec(self) -> Any:
+        """What `services.reward_app.build_reward_app` deploys (the testbed's reward models)."""
+
+    @property
+    @abstractmethod
+    def gold_name(self) -> str:
+        """The held-out monitor (never trained on) whose `<name>_correct` is the headline accuracy."""
+
+    def rollout_summary(self, batch: RolloutBatch, scores: EnsembleScores) -> dict[str, float]:
+        """Scalars of one rollout batch (sample-weighted across workers by the controller)."""
+        from reward.diversity import nearest_neighbour_distance
+
+        gold = self.gold_name
+        out = {
+            "reward/train_mean": float(scores.reward.mean()),
+            "reward/ensemble_mean": float(scores.mean.mean()),
+            "reward/ensemble_std": float(scores.std.mean()),
+            "reward/uncertainty_mean": float(scores.uncertainty.mean()),
+            "reward/gold_mean": float(scores.monitors[gold].mean()),
+            "reward/gold_accuracy": float(scores.monitors[f"{gold}_correct"].mean()),
+            "diversity/nn_distance": float(nearest_neighbour_distance(scores.features, batch.group).mean()),
+        }
+        for name, col in zip(scores.names, scores.scores.T):
+            out[f"reward/{name}"] = float(col.mean())
+        return out
+
+    @abstractmethod
+    def eval_summary(self, batch: RolloutBatch, scores: EnsembleScores) -> dict[str, Any]:
+        """`gold_accuracy`, `proxy_mean`, `diversity_nn`, `breakdown` {label: accuracy} and `n_samples`,
+        plus whatever `save_eval` draws (removed before the result is written as JSON)."""
+
+    @abstractmethod
+    def save_eval(self, result: dict[str, Any], path_stem: Path, title: str) -> None:
+        """Write the evaluation's picture or examples next to `path_stem` (and pop what it used)."""
