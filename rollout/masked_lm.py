@@ -123,7 +123,14 @@ def pretrained_architecture_with_weights(name_or_path: str, weights: dict[str, T
     state dict that came through Ray's object store."""
     config, loader, _ = resolve_pretrained_masked_lm(name_or_path, trust_remote_code)
     model = loader.from_config(config, trust_remote_code=trust_remote_code)
-    model.load_state_dict(weights)
+    missing, unexpected = model.load_state_dict(weights, strict=False)
+    if hasattr(model, "tie_weights"):
+        model.tie_weights()  # save_pretrained leaves out tied copies (e.g. an LM head tied to the embeddings)
+    state = model.state_dict()
+    loaded = {state[k].data_ptr() for k in weights if k in state}
+    untied = [k for k in missing if state[k].data_ptr() not in loaded]
+    if unexpected or untied:
+        raise ValueError(f"weights do not fit {name_or_path!r}: missing {untied[:5]}, unexpected {unexpected[:5]}")
     return model.to(next(iter(weights.values())).dtype).eval()
 
 

@@ -144,7 +144,7 @@ class RewardModelDeployment:
     @serve.batch(max_batch_size=256, batch_wait_timeout_s=0.005)
     async def score(self, samples: list[torch.Tensor], cond: list[torch.Tensor]) -> list[torch.Tensor]:
         sizes = [len(c) for c in cond]
-        if len({(s.shape[1:], c.shape[1:]) for s, c in zip(samples, cond)}) > 1:  # text of other widths
+        if len({(s.shape[1:], c.shape[1:]) for s, c in zip(samples, cond)}) > 1:  # prompts padded to other widths
             return [check_scores(self.name, self.model.score(s, c), len(c)) for s, c in zip(samples, cond)]
         out = check_scores(self.name, self.model.score(torch.cat(samples), torch.cat(cond)), sum(sizes))
         return list(out.split(sizes))

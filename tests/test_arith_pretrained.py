@@ -64,3 +64,25 @@ def test_a_pretrained_model_trains_in_process_through_the_same_code(model_dir):
     out = run_in_process(cfg, free_port(), eval_every=2)
     assert len(out["rows"]) == 2 and out["stopped_at"] is None
     assert out["evals"][-1]["n_samples"] == 8 and 0 <= out["evals"][-1]["gold_accuracy"] <= 1
+
+
+def test_tied_weights_left_out_by_save_pretrained_are_rebuilt(tmp_path):
+    """BERT ties its LM head to the embeddings and save_pretrained stores one copy: the architecture
+    rebuilt from the config still holds every weight; weights that do not fit are refused by name."""
+    from safetensors.torch import load_file
+    from transformers import BertConfig, BertForMaskedLM
+
+    from rollout.masked_lm import pretrained_architecture_with_weights
+
+    cfg = BertConfig(vocab_size=16, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                     intermediate_size=32, max_position_embeddings=32, hidden_dropout_prob=0,
+                     attention_probs_dropout_prob=0, mask_token_id=15)
+    original = BertForMaskedLM(cfg).eval()
+    original.save_pretrained(tmp_path)
+    weights = load_file(str(tmp_path / "model.safetensors"))
+    assert len(weights) < len(original.state_dict())  # the tied copy is not stored
+    rebuilt = pretrained_architecture_with_weights(str(tmp_path), weights)
+    x = torch.randint(0, 15, (2, 6))
+    assert torch.equal(original(x).logits, rebuilt(x).logits)
+    with pytest.raises(ValueError, match="unexpected \\['junk'\\]"):
+        pretrained_architecture_with_weights(str(tmp_path), {**weights, "junk": torch.zeros(1)})

@@ -425,8 +425,8 @@ class DeepSpeedLearner:
         directory.mkdir(parents=True, exist_ok=True)
         self.engine.save_checkpoint(str(directory), tag="engine", save_latest=False)
         save_file({k: v.contiguous() for k, v in self.weights().items()}, str(directory / "policy.safetensors"))
-        save_file({k: v.detach().contiguous() for k, v in self.reference.state_dict().items()},
-                  str(directory / "reference.safetensors"))
+        save_file({k: v.detach().clone().contiguous() for k, v in self.reference.state_dict().items()},
+                  str(directory / "reference.safetensors"))  # clones: tied weights share storage
         torch.save({"generator": self.generator.get_state(), "updates": self.updates,
                     "objective": self.objective.name, "objective_state": self.objective.state_dict(),
                     "advantage_clipper": (None if self.advantage_clipper is None
