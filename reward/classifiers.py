@@ -27,6 +27,7 @@ Arch = Literal["cnn", "mlp", "linear", "wide_cnn"]
 class ClassifierSpec(StrictModel):
     """One classifier: architecture, which data it trains on, and how."""
 
+    kind: Literal["classifier"] = "classifier"
     name: str
     arch: Arch
     split: Literal["proxy", "gold"] = "proxy"
@@ -147,7 +148,7 @@ class DigitClassifierReward:
 
 def ensure_classifier(spec: ClassifierSpec) -> Path:
     """Cached folder with `model.safetensors` and `meta.json` (accuracy); trains it if missing."""
-    key = config_key(spec.model_dump(exclude={"output"}))  # the reward's output form does not change training
+    key = config_key(spec.model_dump(exclude={"output", "kind"}))  # neither changes what is trained
     target = cache_root() / "classifiers" / f"{spec.name}-{key}"
 
     def build(tmp: Path) -> None:

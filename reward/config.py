@@ -11,7 +11,7 @@ from torch import Tensor
 
 from reward.base import RewardModel
 from reward.classifiers import ClassifierSpec, DigitClassifierReward, load_classifier
-from reward.jpeg import JpegCompressibilityReward
+from reward.factory import JpegSpec, build_reward_model
 from rollout.config import StrictModel
 
 
@@ -39,9 +39,13 @@ class RewardConfig(StrictModel):
     min_proxy_accuracy: float = Field(0.9, ge=0, le=1)
     min_gold_accuracy: float = Field(0.97, ge=0, le=1)
 
+    def member_specs(self) -> list[ClassifierSpec | JpegSpec]:
+        """The ensemble members' specs, in column order (`reward.factory` builds each)."""
+        return [*self.members, *([JpegSpec()] if self.jpeg else [])]
+
     @model_validator(mode="after")
     def _names(self) -> "RewardConfig":
-        names = [m.name for m in self.members] + (["jpeg_compressibility"] if self.jpeg else [])
+        names = [m.name for m in self.member_specs()]
         if len(set(names)) != len(names) or self.gold.name in names:
             raise ValueError(f"reward model names must be unique (members {names}, gold {self.gold.name!r})")
         if self.gold.split != "gold" or any(m.split == "gold" for m in self.members):
@@ -59,10 +63,8 @@ def build_reward_models(cfg: RewardConfig) -> tuple[list[RewardModel], list[Rewa
     The training reward (the `train_on` member, or every member for 'mean') must reach
     `min_proxy_accuracy` on held-out real digits and the gold classifier `min_gold_accuracy`.
     """
-    members: list[RewardModel] = [load_classifier(spec) for spec in cfg.members]
-    if cfg.jpeg:
-        members.append(JpegCompressibilityReward())
-    gold = load_classifier(cfg.gold)
+    members: list[RewardModel] = [build_reward_model(spec) for spec in cfg.member_specs()]
+    gold = build_reward_model(cfg.gold)
     proxies = [m for m in members if cfg.train_on in ("mean", m.name)]
     checks = [(m, cfg.min_proxy_accuracy) for m in proxies if isinstance(m, DigitClassifierReward)]
     for m, need in checks + [(gold, cfg.min_gold_accuracy)]:

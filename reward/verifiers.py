@@ -57,6 +57,7 @@ def verify(task: Task, prompt: str, completion: str, partial_credit: bool = Fals
 class VerifierSpec(StrictModel):
     """The arith reward: which task's verifier, and whether it gives partial credit (sudoku only)."""
 
+    kind: Literal["verifier"] = "verifier"
     task: Task = "addition"
     partial_credit: bool = Field(False, description="sudoku: score the share of valid units, not just 0/1")
     name: str = "verifier"

@@ -19,17 +19,15 @@ from ray import serve
 from ray.serve.handle import DeploymentHandle
 
 from reward.base import check_scores
-from reward.classifiers import ClassifierSpec, load_classifier
 from reward.config import RewardConfig
 from reward.ensemble import EnsembleScores, combine_scores
-from reward.jpeg import JpegCompressibilityReward
+from reward.factory import build_reward_model, parse_reward_spec
 from reward.verifiers import VerifierReward, VerifierSpec
 from rollout.digits import IMAGE_SHAPE, NUM_CLASSES
 from services.config import ServeConfig
 
 APP_NAME = "reward"
 ROUTE_PREFIX = "/reward"
-JPEG_NAME = "jpeg_compressibility"
 
 api = FastAPI(
     title="steadyrl reward ensemble",
@@ -126,17 +124,9 @@ class ScoreResponse(BaseModel):
 class RewardModelDeployment:
     """Hosts one reward model; batches concurrent `score` calls into one forward pass."""
 
-    def __init__(self, kind: str, spec: dict[str, Any] | None = None, max_batch_size: int = 256,
-                 batch_wait_timeout_s: float = 0.005):
+    def __init__(self, spec: dict[str, Any], max_batch_size: int = 256, batch_wait_timeout_s: float = 0.005):
         torch.set_num_threads(1)
-        if kind == "classifier":
-            self.model = load_classifier(ClassifierSpec.model_validate(spec))
-        elif kind == "verifier":
-            self.model = VerifierReward.from_spec(VerifierSpec.model_validate(spec))
-        elif kind == "jpeg":
-            self.model = JpegCompressibilityReward(name=JPEG_NAME)
-        else:
-            raise ValueError(f"unknown reward model kind {kind!r}")
+        self.model = build_reward_model(parse_reward_spec(spec))  # the same factory as the in-process ensemble
         self.name = self.model.name
         self.score.set_max_batch_size(max_batch_size)
         self.score.set_batch_wait_timeout_s(batch_wait_timeout_s)
@@ -248,23 +238,19 @@ def build_reward_app(cfg: RewardConfig | VerifierSpec, serve_cfg: ServeConfig | 
     opts = {"ray_actor_options": {"num_cpus": serve_cfg.replica_cpus}}
     batching = {"max_batch_size": serve_cfg.max_batch_size, "batch_wait_timeout_s": serve_cfg.batch_wait_timeout_s}
 
-    def model(name: str, kind: str, spec: dict[str, Any] | None) -> serve.Application:
-        return RewardModelDeployment.options(name=name, **opts).bind(kind, spec, **batching)
+    def model(name: str, spec: Any) -> serve.Application:
+        return RewardModelDeployment.options(name=name, **opts).bind(spec.model_dump(), **batching)
 
     if isinstance(cfg, VerifierSpec):
         exact = cfg.model_copy(update={"partial_credit": False, "name": "exact"})
         return RewardEnsembleIngress.options(name="ensemble", **opts).bind(
-            [model(f"reward_{cfg.name}", "verifier", cfg.model_dump())], [cfg.name],
-            model("monitor_exact", "verifier", exact.model_dump()), "exact", cfg.name, cfg.name, "arith")
-
-    members = [model(f"reward_{s.name}", "classifier", s.model_dump()) for s in cfg.members]
-    names = [s.name for s in cfg.members]
-    if cfg.jpeg:
-        members.append(model(f"reward_{JPEG_NAME}", "jpeg", None))
-        names.append(JPEG_NAME)
-    gold = model(f"monitor_{cfg.gold.name}", "classifier", cfg.gold.model_dump())
+            [model(f"reward_{cfg.name}", cfg)], [cfg.name], model("monitor_exact", exact), "exact", cfg.name,
+            cfg.name, "arith")
+    specs = cfg.member_specs()
+    members = [model(f"reward_{s.name}", s) for s in specs]
+    gold = model(f"monitor_{cfg.gold.name}", cfg.gold)
     return RewardEnsembleIngress.options(name="ensemble", **opts).bind(
-        members, names, gold, cfg.gold.name, cfg.train_on, cfg.feature_model)
+        members, [s.name for s in specs], gold, cfg.gold.name, cfg.train_on, cfg.feature_model)
 
 
 def deploy_reward_app(cfg: RewardConfig | VerifierSpec, serve_cfg: ServeConfig | None = None) -> None:

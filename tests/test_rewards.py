@@ -141,3 +141,28 @@ def test_classifier_cache_is_reused_without_training(models, monkeypatch):
     again = load_classifier(RewardConfig().members[0])
     for a, b in zip(again.model.state_dict().values(), members[0].model.state_dict().values()):
         assert torch.equal(a, b)
+
+
+def test_one_factory_builds_every_reward_model_from_its_json_spec():
+    """The Serve deployments receive `spec.model_dump()` and the in-process ensemble the spec itself: both
+    go through `build_reward_model`, so the same spec gives the same scores."""
+    import pydantic
+
+    from reward.config import RewardConfig
+    from reward.factory import JpegSpec, build_reward_model, parse_reward_spec
+    from reward.jpeg import JpegCompressibilityReward
+    from reward.verifiers import VerifierReward, VerifierSpec
+
+    cfg = RewardConfig(jpeg=True)
+    specs = [*cfg.member_specs(), cfg.gold, VerifierSpec(task="sudoku")]
+    assert [s.kind for s in specs] == ["classifier"] * 3 + ["jpeg", "classifier", "verifier"]
+    x = torch.rand(6, 1, 8, 8) * 2 - 1
+    c = torch.arange(6) % 10
+    for spec in specs[:5]:
+        a, b = build_reward_model(spec), build_reward_model(parse_reward_spec(spec.model_dump()))
+        assert type(a) is type(b) and a.name == b.name == spec.name
+        assert torch.allclose(a.score(x, c), b.score(x, c))
+    assert isinstance(build_reward_model(JpegSpec()), JpegCompressibilityReward)
+    assert isinstance(build_reward_model({"kind": "verifier", "task": "sudoku"}), VerifierReward)
+    with pytest.raises(pydantic.ValidationError, match="kind"):
+        parse_reward_spec({"kind": "clip", "name": "x"})

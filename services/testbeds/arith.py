@@ -116,11 +116,11 @@ class ArithTestbed(Testbed):
                             trust_remote_code=a.trust_remote_code)
 
     def reward_ensemble(self) -> RewardEnsemble:
-        from reward.verifiers import VerifierReward
+        from reward.factory import build_reward_model
 
         spec = self.reward_spec()
-        member = VerifierReward.from_spec(spec)
-        exact = VerifierReward.from_spec(spec.model_copy(update={"partial_credit": False, "name": "exact"}))
+        member = build_reward_model(spec)
+        exact = build_reward_model(spec.model_copy(update={"partial_credit": False, "name": "exact"}))
         return RewardEnsemble([member], spec.name, [exact], member)
 
     @property
