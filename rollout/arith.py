@@ -99,7 +99,7 @@ def sudoku_problem(gen: torch.Generator, blanks: int) -> Problem:
     sol = sols[int(torch.randint(len(sols), (1,), generator=gen))]
     hide = set(torch.randperm(16, generator=gen)[:blanks].tolist())
     cells = "".join("0" if i in hide else ch for i, ch in enumerate(sol))
-    return Problem("|".join(cells[r * 4:(r + 1) * 4 ] for r in range(4)) + "=", sol)
+    return Problem("|".join(cells[r * 4:(r + 1) * 4] for r in range(4)) + "=", sol)
 
 
 def parse_sudoku_prompt(prompt: str) -> str | None:
