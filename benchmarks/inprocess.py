@@ -61,7 +61,8 @@ def run_in_process(cfg: TrainConfig, port: int, eval_every: int = 10, threads: i
         batch = sampler.sample(rollout_policy, prompts, cfg.sampler.samples_per_class, gen, group_offset=offset)
         scores = ensemble.score_all(batch.samples, batch.cond, batch.group)
         metrics = learner.update(attach_scores(batch, scores))
-        rollout_policy.load_state_dict(learner.weights())
+        weights = learner.weights()
+        rollout_policy.load_state_dict(weights)
         row = {
             "step": step + 1,
             "proxy": float(scores.reward.mean()),
@@ -73,7 +74,7 @@ def run_in_process(cfg: TrainConfig, port: int, eval_every: int = 10, threads: i
         row.update({k: metrics[k] for k in RATIO_KEYS if k in metrics})
         row.update({k: v for k, v in metrics.items() if k.split("/")[0] in ("gardo", "guard", "stabledrl", "bgpo")})
         rows.append(row)
-        finite = all(math.isfinite(p.float().abs().max()) for p in learner.weights().values())
+        finite = all(math.isfinite(p.float().abs().max()) for p in weights.values())
         if not finite:
             stopped = step + 1
             evals.append({"step": step + 1, "gold_accuracy": 0.0, "nonfinite_weights": True})
