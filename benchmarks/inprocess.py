@@ -19,8 +19,9 @@ from typing import Any
 import torch
 from safetensors.torch import load_file
 
-from reward.diversity import mean_pairwise_distance, nearest_neighbour_distance
+from reward.diversity import mean_pairwise_distance
 from reward.ensemble import attach_scores
+from rollout.policy import load_trainable_state
 from services.actors import step_seed
 from services.builders import build_learner
 from services.config import TrainConfig
@@ -36,40 +37,45 @@ def run_in_process(cfg: TrainConfig, port: int, eval_every: int = 10, threads: i
     and seeded evaluations (step 0, every `eval_every`, last). A step whose loss or gradient is not
     finite ends the run early (`stopped_at`), as a collapse."""
     torch.set_num_threads(threads)
-    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    gpu = cfg.ray.learner_gpus > 0 and torch.cuda.is_available()
+    os.environ.setdefault("DS_ACCELERATOR", "cuda" if gpu else "cpu")
+    device = torch.device("cuda" if cfg.ray.rollout_gpus > 0 and torch.cuda.is_available() else "cpu")
     set_rank_env(port)
     torch.manual_seed(cfg.run.seed)
     testbed = build_testbed(cfg)
-    rollout_policy = testbed.build_policy(load_file(str(testbed.base_weights(progress=False))))
+    rollout_policy = testbed.build_policy(load_file(str(testbed.base_weights(progress=False)))).to(device)
     sampler, eval_sampler = testbed.build_sampler(), testbed.eval_sampler()
     ensemble = testbed.reward_ensemble()
     learner = build_learner(cfg, copy.deepcopy(rollout_policy).train(), testbed.build_sampler())
-    gold = testbed.gold_name
 
     def evaluate(step: int) -> dict[str, Any]:
         gen = torch.Generator().manual_seed(cfg.run.eval_seed)
-        batch = eval_sampler.sample(rollout_policy, testbed.eval_prompts(), testbed.eval_per_prompt, gen)
-        scores = ensemble.score_all(batch.samples, batch.cond, batch.group)
+        batch = testbed.sample(eval_sampler, rollout_policy, testbed.eval_prompts(), testbed.eval_per_prompt, gen)
+        scores = ensemble.score_all(*testbed.reward_inputs(rollout_policy, batch), batch.group)
         result = testbed.eval_summary(batch, scores)
-        return {"step": step, **{k: v for k, v in result.items() if k not in ("grid", "examples")}}
+        return {"step": step, **{k: v for k, v in result.items() if k not in ("grid", "examples", "images", "captions")}}
 
     rows, evals, stopped = [], [evaluate(0)], None
     for step in range(cfg.run.steps):
         t0 = time.perf_counter()
         gen = torch.Generator().manual_seed(step_seed(cfg.run.seed, step, 0))
         prompts, offset = testbed.train_prompts(0, 1, step)
-        batch = sampler.sample(rollout_policy, prompts, cfg.sampler.samples_per_class, gen, group_offset=offset)
-        scores = ensemble.score_all(batch.samples, batch.cond, batch.group)
+        batch = testbed.sample(sampler, rollout_policy, prompts, cfg.sampler.samples_per_class, gen, group_offset=offset)
+        scores = ensemble.score_all(*testbed.reward_inputs(rollout_policy, batch), batch.group)
         metrics = learner.update(attach_scores(batch, scores))
         weights = learner.weights()
-        rollout_policy.load_state_dict(weights)
+        load_trainable_state(rollout_policy, weights)
+        summary = testbed.rollout_summary(batch, scores)
         row = {
             "step": step + 1,
-            "proxy": float(scores.reward.mean()),
-            "gold_accuracy": float(scores.monitors[f"{gold}_correct"].mean()),
-            "diversity_nn": float(nearest_neighbour_distance(scores.features, batch.group).mean()),
-            "diversity_pairwise": mean_pairwise_distance(scores.features, batch.group),
+            "proxy": summary["reward/train_mean"],
+            "gold_accuracy": summary["reward/gold_accuracy"],
+            "diversity_nn": summary["diversity/nn_distance"],
+            "diversity_pairwise": (0.0 if scores.features is None else
+                                   mean_pairwise_distance(scores.features, batch.group)),
             "step_s": time.perf_counter() - t0,
+            "sync_bytes": metrics.get("sync/bytes", 0.0),
+            "logp_absdiff_max": metrics.get("policy/rollout_logp_absdiff_max", 0.0),
         }
         row.update({k: metrics[k] for k in RATIO_KEYS if k in metrics})
         row.update({k: v for k, v in metrics.items() if k.split("/")[0] in ("gardo", "guard", "stabledrl", "bgpo")})

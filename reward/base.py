@@ -8,7 +8,9 @@ from torch import Tensor
 
 @runtime_checkable
 class RewardModel(Protocol):
-    """`score(samples [B,...], cond [B]) -> [B]`; higher is better. `features` is optional."""
+    """`score(samples [B,...], cond) -> [B]`; higher is better. `cond` is the conditioning of the B samples:
+    class ids [B] (digits), or a list of B prompt strings (text-to-image rewards, reward/clip_models.py).
+    `features(samples) -> [B,D]` is optional."""
 
     name: str
 

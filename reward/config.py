@@ -1,17 +1,22 @@
-"""Reward settings and the factory that builds the named reward models."""
+"""Reward settings and the factory that builds the named reward models.
+
+`RewardConfig` is the digits testbed's classifier ensemble with its gold classifier; `ImageRewardConfig`
+the text-to-image testbed's models (JPEG, CLIP score, aesthetic, preference), some of them monitor-only.
+"""
 from __future__ import annotations
 
 from typing import Callable
 
 import torch
-from pydantic import Field, model_validator
+from pydantic import Field, ValidationInfo, field_validator, model_validator
 from rich.console import Console
 from rich.table import Table
 from torch import Tensor
 
 from reward.base import RewardModel
 from reward.classifiers import ClassifierSpec, DigitClassifierReward, load_classifier
-from reward.factory import JpegSpec, build_reward_model
+from reward.ensemble import RewardEnsemble
+from reward.factory import JpegSpec, RewardSpec, build_reward_model
 from rollout.config import StrictModel
 
 
@@ -55,6 +60,119 @@ class RewardConfig(StrictModel):
         if self.feature_model not in [m.name for m in self.members]:
             raise ValueError(f"feature_model={self.feature_model!r} must be a classifier member")
         return self
+
+
+IMAGE_KINDS = ("jpeg", "clip_score", "aesthetic", "preference")  # score images [B,3,H,W] given B prompt strings
+FEATURE_KINDS = ("clip_score", "aesthetic", "preference")  # CLIP-based: `features` are CLIP image embeddings
+
+
+def _default_image_models() -> list[RewardSpec]:
+    return [JpegSpec(upscale=1)]  # needs no download: a config without a reward section still runs
+
+
+class ImageRewardConfig(StrictModel):
+    """Reward models of a text-to-image testbed: each scores decoded images [B,3,H,W] in [-1, 1] against
+    their B prompt strings. `monitor_only` models are scored and logged but never trained on (held-out
+    monitors, the gold classifier's role in digits); the training reward is `train_on` over the others."""
+
+    models: list[RewardSpec] = Field(
+        default_factory=_default_image_models,
+        description=f"the reward models (specs of kinds {', '.join(IMAGE_KINDS)}), with unique names; the "
+        "default, one JPEG-compressibility model at upscale 1, needs no download")
+    monitor_only: list[str] = Field(
+        default_factory=list, description="names among `models` that are scored and logged but never trained on "
+        "(held-out monitors); at least one model must remain trained")
+    train_on: str = Field("mean", description="'mean' of the trained (not monitor-only) models, or one trained "
+                          "model's name")
+    feature_model: str | None = Field(
+        None, description="a trained CLIP-based model (clip_score, aesthetic, preference) whose image embeddings "
+        "feed the diversity metric; None: the first trained model that has features, else no features")
+
+    @field_validator("models")
+    @classmethod
+    def _models(cls, v: list[RewardSpec]) -> list[RewardSpec]:
+        if not v:
+            raise ValueError("reward.models: at least one reward model is needed")
+        bad = [f"{m.name!r} (kind {m.kind!r})" for m in v if m.kind not in IMAGE_KINDS]
+        if bad:
+            raise ValueError(f"reward.models: {', '.join(bad)} cannot score text-to-image samples (images "
+                             f"[B,3,H,W] with prompts); kinds must be among {list(IMAGE_KINDS)}")
+        names = [m.name for m in v]
+        repeated = sorted({n for n in names if names.count(n) > 1})
+        if repeated:
+            raise ValueError(f"reward.models: names must be unique, {repeated} appear more than once")
+        return v
+
+    @field_validator("monitor_only")
+    @classmethod
+    def _monitor_only(cls, v: list[str], info: ValidationInfo) -> list[str]:
+        if "models" not in info.data:  # `models` itself failed: its error says why
+            return v
+        names = [m.name for m in info.data["models"]]
+        unknown = [n for n in v if n not in names]
+        if unknown:
+            raise ValueError(f"reward.monitor_only: {unknown} are not among the models {names}")
+        if len(set(v)) != len(v):
+            raise ValueError(f"reward.monitor_only: names must not repeat, got {v}")
+        if set(v) >= set(names):
+            raise ValueError(f"reward.monitor_only: every model {names} is monitor-only; at least one must be "
+                             "trained on")
+        return v
+
+    @field_validator("train_on")
+    @classmethod
+    def _train_on(cls, v: str, info: ValidationInfo) -> str:
+        if "models" not in info.data or "monitor_only" not in info.data or v == "mean":
+            return v
+        monitors = info.data["monitor_only"]
+        trained = [m.name for m in info.data["models"] if m.name not in monitors]
+        if v in monitors:
+            raise ValueError(f"reward.train_on={v!r} is monitor-only (scored and logged, never trained on); "
+                             f"train on 'mean' or one of {trained}")
+        if v not in trained:
+            raise ValueError(f"reward.train_on={v!r} must be 'mean' or one of the trained models {trained}")
+        return v
+
+    @field_validator("feature_model")
+    @classmethod
+    def _feature_model(cls, v: str | None, info: ValidationInfo) -> str | None:
+        if v is None or "models" not in info.data or "monitor_only" not in info.data:
+            return v
+        kinds = {m.name: m.kind for m in info.data["models"]}
+        if v not in kinds:
+            raise ValueError(f"reward.feature_model={v!r} is not among the models {list(kinds)}")
+        if kinds[v] not in FEATURE_KINDS:
+            raise ValueError(f"reward.feature_model={v!r} (kind {kinds[v]!r}) has no image features; it must be "
+                             f"a CLIP-based model (kinds {list(FEATURE_KINDS)})")
+        if v in info.data["monitor_only"]:
+            raise ValueError(f"reward.feature_model={v!r} is monitor-only: its embeddings feed diversity terms "
+                             "that can enter the training signal (GARDO), so it must be a trained model")
+        return v
+
+    def model_names(self) -> list[str]:
+        return [m.name for m in self.models]
+
+    def trained_specs(self) -> list[RewardSpec]:
+        """The models the training reward comes from (not monitor-only), in `models` order."""
+        return [m for m in self.models if m.name not in self.monitor_only]
+
+    def monitor_specs(self) -> list[RewardSpec]:
+        """The monitor-only models, in `models` order."""
+        return [m for m in self.models if m.name in self.monitor_only]
+
+    def feature_model_name(self) -> str | None:
+        """`feature_model`, or the first trained model with features (None if none has any)."""
+        if self.feature_model is not None:
+            return self.feature_model
+        return next((m.name for m in self.trained_specs() if m.kind in FEATURE_KINDS), None)
+
+    def build_ensemble(self) -> RewardEnsemble:
+        """The same models in-process (`reward.factory.build_reward_model`), as the Serve app deploys them."""
+        members = [build_reward_model(spec) for spec in self.trained_specs()]
+        monitors = [build_reward_model(spec) for spec in self.monitor_specs()]
+        feature = self.feature_model_name()
+        feature_model = next((m for m in members if m.name == feature), None) if feature else None
+        return RewardEnsemble(members, self.train_on, monitors, feature_model)
 
 
 def build_reward_models(cfg: RewardConfig) -> tuple[list[RewardModel], list[RewardModel], str]:

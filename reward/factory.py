@@ -7,6 +7,12 @@ model scores the same whether it runs in a benchmark or behind REST. A spec's `k
     classifier   a digits classifier trained and cached by config (reward/classifiers.py)
     jpeg         JPEG compressibility, -(size in kB) (reward/jpeg.py)
     verifier     an exact arith verifier over text or token ids (reward/verifiers.py)
+    clip_score   image-prompt agreement, scale * cos(CLIP image, CLIP text) (reward/clip_score.py)
+    aesthetic    LAION's aesthetic predictor, an MLP on CLIP image embeddings (reward/aesthetic.py)
+    preference   human preference in PickScore's form, exp(logit_scale) * cos (reward/preference.py)
+
+The image-text kinds load a transformers CLIPModel by hub id or local directory (`model`) and score
+images [B,3,H,W] in [-1, 1] against a list of B prompts (reward/clip_models.py).
 """
 from __future__ import annotations
 
@@ -16,6 +22,7 @@ from pydantic import Discriminator, Field, Tag, TypeAdapter
 
 from reward.base import RewardModel
 from reward.classifiers import ClassifierSpec
+from reward.clip_models import DType
 from reward.verifiers import VerifierSpec
 from rollout.config import StrictModel
 
@@ -24,11 +31,64 @@ class JpegSpec(StrictModel):
     kind: Literal["jpeg"] = "jpeg"
     name: str = "jpeg_compressibility"
     quality: int = Field(95, ge=1, le=100)
+    upscale: int = Field(8, ge=1, description="nearest-neighbour upscale before encoding: 8 for the 8x8 digits "
+                         "(so JPEG's 8x8 blocks see more than one pixel), 1 for real images")
+
+
+_MODEL = ("hub id or local directory of a transformers CLIPModel; loaded with `from_pretrained`, so a "
+          "directory works offline (HF_HUB_OFFLINE=1)")
+_DEVICE = "where the model runs ('cpu', 'cuda', 'cuda:1'); images are moved there, scores come back on CPU"
+_DTYPE = ("the CLIP weights' dtype: float16/bfloat16 halve memory and time on a GPU; similarities are "
+          "computed in float32 from the embeddings")
+_MAX_BATCH = "images per forward pass inside `score`: bounds peak memory on `device`; does not change the scores"
+
+
+class ClipRunSettings(StrictModel):
+    """Where and how a CLIP-based reward model runs (shared by the CLIP kinds)."""
+
+    device: str = Field("cpu", description=_DEVICE)
+    dtype: DType = Field("float32", description=_DTYPE)
+    max_batch: int = Field(32, ge=1, description=_MAX_BATCH)
+
+
+class ClipScoreSpec(ClipRunSettings):
+    """CLIP score: scale * cos(image embedding, prompt embedding) (reward/clip_score.py)."""
+
+    kind: Literal["clip_score"] = "clip_score"
+    name: str = "clip_score"
+    model: str = Field("openai/clip-vit-large-patch14", description=_MODEL)
+    scale: float = Field(1.0, gt=0, description="r = scale * cos; Hessel et al.'s CLIPScore is 2.5 * max(cos, 0), "
+                         "so 2.5 gives its scale (the max at 0 is left out: it would flatten the reward below 0)")
+
+
+class AestheticSpec(ClipRunSettings):
+    """LAION's improved aesthetic predictor: an MLP head on CLIP image embeddings (reward/aesthetic.py)."""
+
+    kind: Literal["aesthetic"] = "aesthetic"
+    name: str = "aesthetic"
+    head: str = Field(description="the MLP head's weights: LAION's .pth state dict (keys layers.{0,2,4,6,7}.*, "
+                      "e.g. sac+logos+ava1-l14-linearMSE.pth) or a .safetensors with the same keys; its input "
+                      "width must equal the CLIP model's projection_dim (768 for ViT-L/14)")
+    model: str = Field("openai/clip-vit-large-patch14",
+                       description=_MODEL + "; must be the CLIP the head was trained on (LAION's: ViT-L/14)")
+
+
+class PreferenceSpec(ClipRunSettings):
+    """A human-preference model in PickScore's form: exp(logit_scale) * cos (reward/preference.py)."""
+
+    kind: Literal["preference"] = "preference"
+    name: str = "pickscore"
+    model: str = Field("yuvalkirstain/PickScore_v1", description=_MODEL)
+    processor: str | None = Field(
+        "laion/CLIP-ViT-H-14-laion2B-s32B-b79K", description="hub id or directory of the tokenizer and image "
+        "processor config: PickScore_v1 ships only the model and uses the LAION CLIP-H repo it was fine-tuned "
+        "from; None: take them from `model`")
 
 
 RewardSpec = Annotated[
     Union[Annotated[ClassifierSpec, Tag("classifier")], Annotated[JpegSpec, Tag("jpeg")],
-          Annotated[VerifierSpec, Tag("verifier")]],
+          Annotated[VerifierSpec, Tag("verifier")], Annotated[ClipScoreSpec, Tag("clip_score")],
+          Annotated[AestheticSpec, Tag("aesthetic")], Annotated[PreferenceSpec, Tag("preference")]],
     Discriminator("kind"),
 ]
 _SPEC = TypeAdapter(RewardSpec)
@@ -40,7 +100,8 @@ def parse_reward_spec(data: dict[str, Any] | RewardSpec) -> RewardSpec:
 
 
 def build_reward_model(spec: RewardSpec | dict[str, Any]) -> RewardModel:
-    """The reward model a spec describes (classifiers are trained and cached on first use)."""
+    """The reward model a spec describes (classifiers are trained and cached on first use; CLIP models are
+    loaded from their hub id or directory)."""
     spec = parse_reward_spec(spec) if isinstance(spec, dict) else spec
     if isinstance(spec, ClassifierSpec):
         from reward.classifiers import load_classifier
@@ -49,9 +110,21 @@ def build_reward_model(spec: RewardSpec | dict[str, Any]) -> RewardModel:
     if isinstance(spec, JpegSpec):
         from reward.jpeg import JpegCompressibilityReward
 
-        return JpegCompressibilityReward(quality=spec.quality, name=spec.name)
+        return JpegCompressibilityReward(quality=spec.quality, upscale=spec.upscale, name=spec.name)
     if isinstance(spec, VerifierSpec):
         from reward.verifiers import VerifierReward
 
         return VerifierReward.from_spec(spec)
+    if isinstance(spec, ClipScoreSpec):
+        from reward.clip_score import ClipScoreReward
+
+        return ClipScoreReward.from_spec(spec)
+    if isinstance(spec, AestheticSpec):
+        from reward.aesthetic import AestheticReward
+
+        return AestheticReward.from_spec(spec)
+    if isinstance(spec, PreferenceSpec):
+        from reward.preference import PreferenceReward
+
+        return PreferenceReward.from_spec(spec)
     raise ValueError(f"unknown reward model spec {spec!r}")

@@ -8,6 +8,14 @@ from typing import Any, Sequence
 import torch
 from torch import Tensor
 
+COND_PREFIX = "cond."  # extras holding the model's conditioning (text embeddings), one row per sample
+
+
+def cond_extras(inputs: dict[str, Tensor]) -> dict[str, Tensor]:
+    """Per-sample model inputs as batch extras (`cond.<name>`); `RolloutBatch.model_cond` reads them back."""
+    return {COND_PREFIX + k: v for k, v in inputs.items()}
+
+
 # Fields indexed by sample (first dimension = batch); everything else is shared by the batch.
 PER_SAMPLE_FIELDS = (
     "cond", "group", "samples", "traj", "old_logp",
@@ -19,7 +27,8 @@ PER_SAMPLE_FIELDS = (
 class RolloutBatch:
     """A batch of sampled trajectories.
 
-    cond [B]: class ids, or [B,P] prompt token ids (dLLMs).  group [B]: prompt group (GRPO statistics are
+    cond [B]: class or prompt ids, or [B,P] prompt token ids (dLLMs); text-to-image models are conditioned on
+    embeddings that travel as extras `cond.<name>` (`model_cond`).  group [B]: prompt group (GRPO statistics are
     taken within it).  samples [B,...]: final samples x_0 (dLLMs: completion token ids [B,L]).
     traj [B,T+1,...]: x_T ... x_0 (one latent per inference step; dLLMs: the completion only, [B,1,L]).
     old_logp [B,T]: log pi_old(x_{t_prev} | x_t) per step (0 where the step is not stochastic); dLLMs: the
@@ -56,6 +65,13 @@ class RolloutBatch:
 
     def __len__(self) -> int:
         return int(self.cond.shape[0])
+
+    @property
+    def model_cond(self) -> Tensor | dict[str, Tensor]:
+        """What the policy is conditioned on: the `cond.<name>` extras as {name: [B,...]} when the batch has
+        them (text embeddings), else `cond` (class ids)."""
+        inputs = {k[len(COND_PREFIX):]: v for k, v in self.extras.items() if k.startswith(COND_PREFIX)}
+        return inputs or self.cond
 
     @property
     def num_steps(self) -> int:

@@ -15,6 +15,7 @@ from diffusers import DDIMScheduler
 from torch import Tensor
 
 from rollout.config import DDIMSamplerConfig
+from rollout.policy import Cond
 from rollout.sampler import ConditionalModel, GaussianStepSampler, StepDistribution, gaussian_logp
 
 __all__ = ["DDIMLogProbSampler", "gaussian_logp"]
@@ -40,13 +41,10 @@ class DDIMLogProbSampler(GaussianStepSampler):
         self.dt = torch.full((len(self.timesteps),), stride / n_train, dtype=torch.float64)  # [T]: t -> t - stride
         self.trainable = self.std >= cfg.min_std  # [T]
 
-    def step_distribution(self, policy: ConditionalModel, x_t: Tensor, step: Tensor, cond: Tensor) -> StepDistribution:
-        dt = x_t.dtype
-        shape = (-1,) + (1,) * (x_t.dim() - 1)
-        a_t = self.alpha_t[step].to(dt).view(shape)
-        a_prev = self.alpha_prev[step].to(dt).view(shape)
-        std = self.std[step].to(dt)
-        eps = policy(x_t, self.timesteps[step], class_labels=cond).sample
+    def step_distribution(self, policy: ConditionalModel, x_t: Tensor, step: Tensor, cond: Cond) -> StepDistribution:
+        a_t, a_prev = self._coef(self.alpha_t, step, x_t), self._coef(self.alpha_prev, step, x_t)
+        std = self._coef(self.std, step, x_t)
+        eps = policy(x_t, self.timesteps[step].to(x_t.device), cond)
         x0 = (x_t - (1 - a_t).sqrt() * eps) / a_t.sqrt()
-        dir_coef = (1 - a_prev - std.view(shape) ** 2).clamp(min=0).sqrt()
-        return StepDistribution(a_prev.sqrt() * x0 + dir_coef * eps, std)
+        dir_coef = (1 - a_prev - std**2).clamp(min=0).sqrt()
+        return StepDistribution(a_prev.sqrt() * x0 + dir_coef * eps, std.flatten())

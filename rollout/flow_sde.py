@@ -25,6 +25,7 @@ from diffusers import FlowMatchEulerDiscreteScheduler
 from torch import Tensor
 
 from rollout.config import FlowSDESamplerConfig, SchedulerConfig
+from rollout.policy import Cond
 from rollout.sampler import ConditionalModel, GaussianStepSampler, StepDistribution
 
 __all__ = ["FlowSDESampler", "flow_sigmas", "flow_noise_level"]
@@ -64,14 +65,11 @@ class FlowSDESampler(GaussianStepSampler):
         if not bool(torch.isfinite(self.std).all()):
             raise ValueError(f"flow-SDE step stds are not finite: {self.std.tolist()}")
 
-    def step_distribution(self, policy: ConditionalModel, x_t: Tensor, step: Tensor, cond: Tensor) -> StepDistribution:
+    def step_distribution(self, policy: ConditionalModel, x_t: Tensor, step: Tensor, cond: Cond) -> StepDistribution:
         """N(x + [v + sigma_s^2/(2s) (x + (1-s) v)] Delta, (sigma_s sqrt|Delta|)^2 I), in x_t's dtype."""
-        dt = x_t.dtype
-        shape = (-1,) + (1,) * (x_t.dim() - 1)
-        s = self.sigmas[step].to(dt).view(shape)
-        noise_var = (self.noise_level[step] ** 2).to(dt).view(shape)
-        delta = self.delta[step].to(dt).view(shape)
-        v = policy(x_t, self.timesteps[step], class_labels=cond).sample
+        s, delta = self._coef(self.sigmas, step, x_t), self._coef(self.delta, step, x_t)
+        noise_var = self._coef(self.noise_level, step, x_t) ** 2
+        v = policy(x_t, self.timesteps[step].to(x_t.device), cond)
         # x + (1 - s) v is the predicted noise eps_hat; the correction is the score term of the SDE.
         mean = x_t + (v + noise_var / (2 * s) * (x_t + (1 - s) * v)) * delta
-        return StepDistribution(mean, self.std[step].to(dt))
+        return StepDistribution(mean, self.std[step].to(device=x_t.device, dtype=x_t.dtype))

@@ -8,6 +8,7 @@ from diffusers import DDIMScheduler, UNet2DModel
 from safetensors.torch import save_file
 
 from rollout.config import SchedulerConfig, UNetConfig
+from rollout.policy import ClassConditionalPolicy
 
 
 def build_unet(cfg: UNetConfig) -> UNet2DModel:
@@ -30,6 +31,11 @@ def build_unet(cfg: UNetConfig) -> UNet2DModel:
     )
 
 
+def build_class_policy(cfg: UNetConfig) -> ClassConditionalPolicy:
+    """The policy of a randomly initialised class-conditional UNet (what the samplers call)."""
+    return ClassConditionalPolicy(build_unet(cfg))
+
+
 def build_scheduler(cfg: SchedulerConfig) -> DDIMScheduler:
     """DDIM schedule with clipping off (the log-prob recompute must match sampling exactly)."""
     return DDIMScheduler(
@@ -47,6 +53,11 @@ def unet_from_weights(cfg: UNetConfig, weights: dict[str, torch.Tensor]) -> UNet
     model = build_unet(cfg)
     model.load_state_dict(weights)
     return model.eval()
+
+
+def class_policy_from_weights(cfg: UNetConfig, weights: dict[str, torch.Tensor]) -> ClassConditionalPolicy:
+    """The class-conditional policy over `unet_from_weights` (the digits testbed's policy)."""
+    return ClassConditionalPolicy(unet_from_weights(cfg, weights)).eval()
 
 
 def save_weights(model: torch.nn.Module, path: Path) -> None:

@@ -4,7 +4,10 @@ Every image sampler (DDIM, flow-SDE) is a `GaussianStepSampler`: it owns a sched
 (`timesteps`, per-step `std`, per-step `dt`, which steps are stochastic) and one small
 scheduler-like function, `step_distribution(policy, x_t, step, cond)`, from which sampling,
 the log-prob recompute, the KL between two policies and reward back-propagation all follow.
-The learner only ever talks to this interface, never to a concrete sampler.
+The learner only ever talks to this interface, never to a concrete sampler; the sampler only ever
+calls `policy(x_t, t, cond)` (`rollout.policy.Policy`), never a network. The schedule lives on the CPU
+in float64; each step's coefficients move to x_t's device and dtype, and noise is drawn from a CPU
+generator and moved, so a seed gives the same trajectory on any device up to the network's numerics.
 
     log pi(x_next | x_t) = log N(x_next; mean, std^2 I), reduced over pixels by `mean` or `sum`
     KL(p || q) at one step (same std) = ||mean_p - mean_q||^2 / (2 std^2)   (same reduction)
@@ -14,18 +17,15 @@ from __future__ import annotations
 import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
-from rollout.batch import RolloutBatch
+from rollout.batch import RolloutBatch, cond_extras
+from rollout.policy import Cond, module_device
 
-
-class ConditionalModel(Protocol):
-    """Anything called like a diffusers UNet: model(x, t, class_labels=c).sample."""
-
-    def __call__(self, sample: Tensor, timestep: Tensor, class_labels: Tensor | None = ...) -> Any: ...
+ConditionalModel = nn.Module  # a `rollout.policy.Policy`, or a DeepSpeed engine wrapping one
 
 
 def gaussian_logp(x: Tensor, mean: Tensor, std: Tensor, reduce: str) -> Tensor:
@@ -98,8 +98,12 @@ class GaussianStepSampler(ABC):
         return steps
 
     @abstractmethod
-    def step_distribution(self, policy: ConditionalModel, x_t: Tensor, step: Tensor, cond: Tensor) -> StepDistribution:
-        """pi(x_next | x_t) at inference-step indices `step` [B]."""
+    def step_distribution(self, policy: ConditionalModel, x_t: Tensor, step: Tensor, cond: Cond) -> StepDistribution:
+        """pi(x_next | x_t) at inference-step indices `step` [B] (on the CPU); the distribution is on x_t's device."""
+
+    def _coef(self, values: Tensor, step: Tensor, like: Tensor) -> Tensor:
+        """Per-sample schedule values at `step`, shaped to broadcast over `like` [B,...], on its device/dtype."""
+        return values[step].to(device=like.device, dtype=like.dtype).view((-1,) + (1,) * (like.dim() - 1))
 
     @torch.no_grad()
     def sample(
@@ -111,25 +115,33 @@ class GaussianStepSampler(ABC):
         dtype: torch.dtype = torch.float32,
         sample_shape: tuple[int, ...] = (1, 8, 8),
         group_offset: int = 0,
+        cond_inputs: dict[str, Tensor] | None = None,
     ) -> RolloutBatch:
-        """Draw `n_per_cond` samples for each entry of `cond`; one group per entry, numbered from
-        `group_offset` (workers use distinct offsets so their batches can be joined)."""
+        """Draw `n_per_cond` samples for each entry of `cond` (class or prompt ids [C]); one group per entry,
+        numbered from `group_offset` (workers use distinct offsets so their batches can be joined).
+        `cond_inputs` ({name: [C,...]}, e.g. text embeddings) are what the policy is conditioned on instead
+        of the ids; they travel in the batch (`RolloutBatch.model_cond`). Sampling runs on the policy's
+        device; the batch comes back on the CPU, ready for the object store."""
+        device = module_device(policy)
         n_groups = len(cond)
         cond = cond.long().repeat_interleave(n_per_cond)
         group = (group_offset + torch.arange(n_groups)).repeat_interleave(n_per_cond)
+        per_sample = {k: v.repeat_interleave(n_per_cond, dim=0) for k, v in (cond_inputs or {}).items()}
+        model_cond: Cond = {k: v.to(device) for k, v in per_sample.items()} if per_sample else cond.to(device)
         B, T = len(cond), len(self.timesteps)
-        x = torch.randn((B, *sample_shape), generator=generator, dtype=dtype)
-        traj, logps = [x], []
+        x = torch.randn((B, *sample_shape), generator=generator, dtype=dtype).to(device)
+        traj, logps = [x.cpu()], []
         for k in range(T):
-            dist = self.step_distribution(policy, x, torch.full((B,), k, dtype=torch.long), cond)
+            dist = self.step_distribution(policy, x, torch.full((B,), k, dtype=torch.long), model_cond)
             stochastic = bool(self.trainable[k])
-            noise = torch.randn(x.shape, generator=generator, dtype=dtype) if stochastic else None
+            noise = torch.randn(x.shape, generator=generator, dtype=dtype).to(device) if stochastic else None
             x = self._advance(dist, k, noise)
-            logps.append(dist.log_prob(x, self.reduce) if stochastic else torch.zeros(B, dtype=dtype))
-            traj.append(x)
-        return RolloutBatch(cond=cond, group=group, samples=x, traj=torch.stack(traj, dim=1),
+            logps.append(dist.log_prob(x, self.reduce).cpu() if stochastic else torch.zeros(B, dtype=dtype))
+            traj.append(x.cpu())
+        return RolloutBatch(cond=cond, group=group, samples=traj[-1], traj=torch.stack(traj, dim=1),
                             old_logp=torch.stack(logps, dim=1), timesteps=self.timesteps.clone(),
-                            trainable=self.trainable.clone())
+                            trainable=self.trainable.clone(),
+                            extras=cond_extras({k: v.cpu() for k, v in per_sample.items()}))
 
     def _steps(self, batch: RolloutBatch, step: Tensor | int) -> Tensor:
         if isinstance(step, int):
@@ -141,14 +153,16 @@ class GaussianStepSampler(ABC):
         step = self._steps(batch, step)
         if not bool(self.trainable[step].all()):
             raise ValueError("log_prob asked for a deterministic (untrainable) step")
-        rows = torch.arange(len(batch))
-        dist = self.step_distribution(policy, batch.traj[rows, step], step, batch.cond)
-        return StepLogProb(dist.log_prob(batch.traj[rows, step + 1], self.reduce), dist.mean, dist.std)
+        rows = torch.arange(len(batch), device=batch.traj.device)
+        at = step.to(batch.traj.device)
+        dist = self.step_distribution(policy, batch.traj[rows, at], step, batch.model_cond)
+        return StepLogProb(dist.log_prob(batch.traj[rows, at + 1], self.reduce), dist.mean, dist.std)
 
     def distribution(self, policy: ConditionalModel, batch: RolloutBatch, step: Tensor | int) -> StepDistribution:
         """The step distribution at the stored x_t (e.g. of the reference policy, for a KL)."""
         step = self._steps(batch, step)
-        return self.step_distribution(policy, batch.traj[torch.arange(len(batch)), step], step, batch.cond)
+        rows = torch.arange(len(batch), device=batch.traj.device)
+        return self.step_distribution(policy, batch.traj[rows, step.to(batch.traj.device)], step, batch.model_cond)
 
     def kl(self, new: StepLogProb, ref: StepLogProb) -> Tensor:
         """KL(N(mean_new, std^2) || N(mean_ref, std^2)) per sample [B] at one step (the reference's std;
@@ -170,7 +184,7 @@ class GaussianStepSampler(ABC):
         gradients through the policy (reward back-propagation, DRaFT-K): returns x_0 [B,...]."""
         x = batch.traj[:, first_step]
         for k, z in zip(range(first_step, len(self.timesteps)), noise):
-            dist = self.step_distribution(policy, x, torch.full((len(batch),), k, dtype=torch.long), batch.cond)
+            dist = self.step_distribution(policy, x, torch.full((len(batch),), k, dtype=torch.long), batch.model_cond)
             x = self._advance(dist, k, z)
         return x
 
@@ -178,4 +192,4 @@ class GaussianStepSampler(ABC):
         """x_next = mean + std * noise at a stochastic step; the mean at a deterministic one."""
         if not bool(self.trainable[step]) or noise is None:
             return dist.mean
-        return dist.mean + dist.std.view(-1, *([1] * (dist.mean.dim() - 1))) * noise
+        return dist.mean + dist.std.view(-1, *([1] * (dist.mean.dim() - 1))) * noise.to(dist.mean.device)

@@ -12,6 +12,7 @@ from ray import serve
 
 from reward.ensemble import attach_scores
 from rollout.batch import RolloutBatch
+from rollout.policy import load_trainable_state
 from services.builders import build_learner
 from services.config import TrainConfig
 from services.reward_app import APP_NAME
@@ -22,6 +23,15 @@ from services.testbeds import build_testbed
 def _setup_process(cfg: TrainConfig, log_file: Path) -> None:
     redirect_output(log_file)
     torch.set_num_threads(cfg.ray.torch_threads or os.cpu_count() or 1)
+
+
+def actor_device(gpus: float) -> torch.device:
+    """cuda when this actor was given a GPU (Ray sets CUDA_VISIBLE_DEVICES to it), else the CPU."""
+    if gpus > 0:
+        if not torch.cuda.is_available():
+            raise RuntimeError(f"this actor asked Ray for {gpus} GPU(s) but torch sees no CUDA device")
+        return torch.device("cuda")
+    return torch.device("cpu")
 
 
 def step_seed(seed: int, step: int, worker: int) -> int:
@@ -40,12 +50,14 @@ class RolloutWorker:
         _setup_process(self.cfg, Path(run_dir) / "logs" / f"rollout_{index}.log")
         self.index, self.n_workers = index, n_workers
         self.testbed = build_testbed(self.cfg)
-        self.policy = self.testbed.build_policy(base_weights)
+        self.device = actor_device(self.cfg.ray.rollout_gpus)
+        self.policy = self.testbed.build_policy(base_weights).to(self.device)
         self.sampler = self.testbed.build_sampler()
         self.reward = serve.get_app_handle(APP_NAME)
 
     def _score(self, batch: RolloutBatch) -> tuple[RolloutBatch, Any]:
-        scores = self.reward.score_tensors.remote(batch.samples, batch.cond, batch.group).result()
+        samples, cond = self.testbed.reward_inputs(self.policy, batch)
+        scores = self.reward.score_tensors.remote(samples, cond, batch.group).result()
         return attach_scores(batch, scores), scores
 
     @ray.method(num_returns=2)
@@ -54,7 +66,7 @@ class RolloutWorker:
         gen = torch.Generator().manual_seed(step_seed(self.cfg.run.seed, step, self.index))
         prompts, group_offset = self.testbed.train_prompts(self.index, self.n_workers, step)
         t0 = time.perf_counter()
-        batch = self.sampler.sample(self.policy, prompts, self.cfg.sampler.samples_per_class, gen,
+        batch = self.testbed.sample(self.sampler, self.policy, prompts, self.cfg.sampler.samples_per_class, gen,
                                     group_offset=group_offset)
         t1 = time.perf_counter()
         batch, scores = self._score(batch)
@@ -67,13 +79,14 @@ class RolloutWorker:
         return True
 
     def set_weights(self, weights: dict[str, torch.Tensor]) -> None:
-        self.policy.load_state_dict(weights)
+        """The learner's trained tensors (whole network, or LoRA adapters only)."""
+        load_trainable_state(self.policy, weights)
 
     def evaluate(self, seed: int) -> dict[str, Any]:
         """The testbed's held-out evaluation on seeded samples (accuracy, reward, diversity, a picture)."""
         gen = torch.Generator().manual_seed(seed)
-        batch = self.testbed.eval_sampler().sample(self.policy, self.testbed.eval_prompts(),
-                                                   self.testbed.eval_per_prompt, gen)
+        batch = self.testbed.sample(self.testbed.eval_sampler(), self.policy, self.testbed.eval_prompts(),
+                                    self.testbed.eval_per_prompt, gen)
         batch, scores = self._score(batch)
         return self.testbed.eval_summary(batch, scores)
 
@@ -88,6 +101,8 @@ class LearnerActor:
         _setup_process(self.cfg, Path(run_dir) / "logs" / f"learner_{rank}.log")
         set_rank_env(master_port, rank, world_size)
         torch.manual_seed(self.cfg.run.seed)
+        if actor_device(self.cfg.ray.learner_gpus).type == "cuda":  # fails clearly when torch sees no GPU
+            os.environ["DS_ACCELERATOR"] = "cuda"  # before DeepSpeed first picks its accelerator
         testbed = build_testbed(self.cfg)
         self.learner = build_learner(self.cfg, testbed.build_policy(base_weights).train(), testbed.build_sampler())
 

@@ -98,7 +98,7 @@ def serve_reward(
     _, bound = start_serve(cfg.serve)
     deploy_reward_app(testbed.reward_spec(), cfg.serve)
     base = f"http://{cfg.serve.host}:{bound}{ROUTE_PREFIX}"
-    route = "score_text" if cfg.testbed == "arith" else "score"
+    route = {"arith": "score_text", "text_to_image": "score_images"}.get(cfg.testbed, "score")
     console.print(f"reward ensemble ready: POST {base}/{route}   GET {base}/healthz   docs {base}/docs")
     sys.stdout.flush()
     try:
@@ -126,12 +126,16 @@ def eval_cmd(
         res = evaluate_checkpoint(run_dir, step, samples_per_class, seed)
     except FileNotFoundError as err:
         _fail(str(err))
+    from services.config import load_config
+    from services.testbeds import build_testbed
+
+    testbed = build_testbed(load_config(run_dir / "config.yaml"))
     table = Table(title=f"eval of {res['checkpoint']} ({res['n_samples']} samples)")
     table.add_column("prompts")
-    table.add_column("accuracy", justify="right")
+    table.add_column(testbed.labels[1], justify="right")
     for key, a in res["breakdown"].items():
-        table.add_row(key, f"{a:.0%}")
-    table.add_row("[bold]all", f"[bold]{res['gold_accuracy']:.1%}")
+        table.add_row(key, testbed.headline(a, breakdown=True))
+    table.add_row("[bold]all", f"[bold]{testbed.headline(res['gold_accuracy'])}")
     console.print(table)
     console.print(f"proxy reward {res['proxy_mean']:.3f}   diversity (nn) {res['diversity_nn']:.2f}   "
                   f"samples: {Path(res['checkpoint']).parents[1] / ('eval_' + Path(res['checkpoint']).name)}/")

@@ -8,9 +8,11 @@ import yaml
 
 from pydantic import Field, ValidationError, model_validator
 
-from reward.config import RewardConfig
+from reward.config import ImageRewardConfig, RewardConfig
 from rollout.config import DEFAULT_SAMPLER_KIND, DDIMSamplerConfig, SamplerConfig, SchedulerConfig, StrictModel, UNetConfig
+from rollout.lora import LoRAConfig
 from rollout.masked_lm import MaskedLMConfig
+from rollout.prompts import PromptsConfig
 from trainer.config import DEFAULT_OBJECTIVE, LearnerConfig, ObjectiveConfig
 from trainer.objectives.grpo import GRPOSettings
 from trainer.pretrain import PretrainConfig
@@ -46,10 +48,33 @@ class ArithConfig(StrictModel):
     eval_problems: int = Field(200, ge=1, description="held-out problems per evaluation (greedy decoding)")
 
 
+class TextToImageConfig(StrictModel):
+    """The text-to-image testbed: a diffusers pipeline by name or path, text prompts, image reward models."""
+
+    pretrained: str | None = Field(
+        None, description="hub id (already in the local Hugging Face cache) or directory of a diffusers pipeline: "
+        "SD 1.x/2.x-style (UNet, sampler.kind=ddim), SDXL-style (ddim) or SD3-style (transformer, flow_sde)")
+    resolution: int | None = Field(None, ge=8, description="image side in pixels; None: the model's native one")
+    guidance_scale: float = Field(4.5, ge=1.0, description="classifier-free guidance w, identical in sampling and "
+                                  "the log-prob recompute (1 = off: one forward instead of two); Flow-GRPO: 4.5")
+    negative_prompt: str = Field("", description="the unconditional branch's prompt (the same in recompute)")
+    dtype: Literal["float32", "bfloat16", "float16"] = Field(
+        "float32", description="weights of the denoiser, text encoders and VAE; bf16 halves memory on GPU (the "
+        "sampler's Gaussian stays float32: see README for the recompute tolerance it implies)")
+    lora: LoRAConfig | None = Field(default_factory=LoRAConfig, description="adapters to train (None: the whole "
+                                    "denoiser, whose full weights then go through the object store each step)")
+    prompts: PromptsConfig = Field(default_factory=PromptsConfig)
+    reward: ImageRewardConfig = Field(default_factory=ImageRewardConfig)
+    eval_samples_per_prompt: int = Field(2, ge=1, description="images per held-out prompt per evaluation")
+    decode_batch: int = Field(8, ge=1, description="latents per VAE decode call (bounds decode memory)")
+
+
 class ServeConfig(StrictModel):
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535, description="0 picks a free port")
     replica_cpus: float = Field(0.1, gt=0, le=0.25, description="CPUs per reward replica")
+    replica_gpus: float = Field(0.25, ge=0, le=1, description="GPU share Ray reserves for each reward replica "
+                                "whose model runs on cuda (`device: cuda`); CPU models reserve none")
     max_batch_size: int = Field(256, ge=1)
     batch_wait_timeout_s: float = Field(0.005, ge=0)
 
@@ -59,6 +84,10 @@ class RayConfig(StrictModel):
     num_cpus: int | None = Field(None, ge=1, description="for a new local Ray; None = all cores")
     rollout_workers: int = Field(1, ge=1, description="each samples its share of the prompts (classes)")
     actor_cpus: float = Field(0.5, gt=0)
+    rollout_gpus: float = Field(0, ge=0, description="GPUs each rollout worker asks Ray for; > 0 places its "
+                                "policy, noise and VAE on cuda (fractions share a GPU between workers)")
+    learner_gpus: float = Field(0, ge=0, description="GPUs the learner asks Ray for; > 0 runs DeepSpeed on cuda "
+                                "(NCCL) instead of the CPU (gloo)")
     torch_threads: int | None = Field(None, ge=1, description="None = all cores (phases run one after another)")
 
 
@@ -77,11 +106,13 @@ class RunConfig(StrictModel):
 class TrainConfig(StrictModel):
     """Everything one training run needs; each default lives in the section's own model."""
 
-    testbed: Literal["digits", "arith"] = Field(
+    testbed: Literal["digits", "arith", "text_to_image"] = Field(
         "digits", description="digits: images (model, scheduler, pretrain, reward sections); arith: a "
-        "masked-diffusion LM (the arith section, sampler.kind=masked_diffusion)")
+        "masked-diffusion LM (the arith section, sampler.kind=masked_diffusion); text_to_image: a diffusers "
+        "pipeline with text prompts (the text_to_image section)")
     run: RunConfig = Field(default_factory=RunConfig)
     arith: ArithConfig = Field(default_factory=ArithConfig)
+    text_to_image: TextToImageConfig = Field(default_factory=TextToImageConfig)
     model: UNetConfig = Field(default_factory=UNetConfig)
     scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)
     pretrain: PretrainConfig = Field(default_factory=PretrainConfig)
@@ -98,7 +129,10 @@ class TrainConfig(StrictModel):
         if text != (self.sampler.kind == "masked_diffusion"):
             raise ValueError(f"testbed={self.testbed!r} needs sampler.kind="
                              f"{'masked_diffusion' if text else 'ddim or flow_sde'}, got {self.sampler.kind!r}")
-        limit = 10 if not text else self.arith.prompts_per_step
+        if self.testbed == "text_to_image" and self.text_to_image.pretrained is None:
+            raise ValueError("testbed='text_to_image' needs text_to_image.pretrained (a hub id or a pipeline directory)")
+        limit = {"digits": 10, "arith": self.arith.prompts_per_step,
+                 "text_to_image": self.text_to_image.prompts.prompts_per_step}[self.testbed]
         if self.ray.rollout_workers > limit:
             raise ValueError(f"ray.rollout_workers={self.ray.rollout_workers} exceeds the {limit} prompts per step "
                              f"of testbed {self.testbed!r}")

@@ -12,7 +12,7 @@ import time
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import ray
 from ray import serve
@@ -84,12 +84,12 @@ class Controller:
             cfg_dict = cfg.model_dump(mode="json")
             # the base weights travel through the object store: no node but the driver's needs the cache
             base_weights = ray.put(load_file(str(self.base_model)))
-            self.learner = LearnerActor.options(num_cpus=cfg.ray.actor_cpus).remote(
+            self.learner = LearnerActor.options(num_cpus=cfg.ray.actor_cpus, num_gpus=cfg.ray.learner_gpus).remote(
                 cfg_dict, base_weights, str(self.run_dir), free_port())
             n = cfg.ray.rollout_workers
             self.workers = [
-                RolloutWorker.options(num_cpus=cfg.ray.actor_cpus).remote(cfg_dict, base_weights, i, n,
-                                                                         str(self.run_dir))
+                RolloutWorker.options(num_cpus=cfg.ray.actor_cpus, num_gpus=cfg.ray.rollout_gpus).remote(
+                    cfg_dict, base_weights, i, n, str(self.run_dir))
                 for i in range(n)
             ]
             # wait until every actor is up (surfaces init errors here, not at the first step)
@@ -126,9 +126,8 @@ class Controller:
     def evaluate(self, step: int) -> dict[str, Any]:
         result = ray.get(self.workers[0].evaluate.remote(self.cfg.run.eval_seed))
         result["step"] = step
-        label = self.testbed.labels[1]
         self.testbed.save_eval(result, self.run_dir / f"samples_step_{step:04d}",
-                               f"step {step}: {label} accuracy {result['gold_accuracy']:.1%}")
+                               f"step {step}: {self.testbed.headline_text(result['gold_accuracy'])}")
         self.evals.append(result)
         write_text_atomically(self.run_dir / "evals.json", json.dumps(self.evals, indent=1))
         return result
@@ -180,7 +179,8 @@ class Controller:
             proxy_label, gold_label = self.testbed.labels
             progress = Progress(
                 TextColumn("[bold]RL"), BarColumn(), MofNCompleteColumn(),
-                TextColumn(proxy_label + " {task.fields[proxy]:.3f}  " + gold_label + " {task.fields[gold]:.1%}  "
+                TextColumn(proxy_label + " {task.fields[proxy]:.3f}  " + gold_label + " {task.fields[gold]:"
+                           + self.testbed.headline_format + "}  "
                            "KL {task.fields[kl]:.1e}  {task.fields[dt]:.2f}s/step"),
                 TimeElapsedColumn(), TimeRemainingColumn(), console=self.console, disable=not cfg.run.progress,
             )
@@ -227,7 +227,7 @@ class Controller:
         result = RunResult(self.run_dir, steps_done, self.evals[0] if self.evals and self.evals[0]["step"] == 0 else None,
                            self.evals[-1] if self.evals else None, interrupted, timing)
         if cfg.run.progress:
-            self.console.print(summary_table(result, self.testbed.labels))
+            self.console.print(summary_table(result, self.testbed.labels, self.testbed.headline))
         return result
 
 
@@ -245,17 +245,23 @@ def merge_summaries(summaries: list[dict[str, float]]) -> dict[str, float]:
     return out
 
 
-def summary_table(result: RunResult, labels: tuple[str, str] = ("proxy", "gold")) -> Table:
+def _percent(value: float, breakdown: bool = False) -> str:
+    return format(value, ".0%" if breakdown else ".1%")
+
+
+def summary_table(result: RunResult, labels: tuple[str, str] = ("proxy", "gold"),
+                  headline: Callable[..., str] = _percent) -> Table:
+    """Base vs final evaluation (`headline` formats the held-out figure: the testbed's `headline`)."""
     table = Table(title=f"steadyrl run summary  ({result.run_dir})")
     table.add_column("prompts")
-    table.add_column(f"{labels[1]} acc. base", justify="right")
-    table.add_column(f"{labels[1]} acc. final", justify="right")
+    table.add_column(f"{labels[1]} base", justify="right")
+    table.add_column(f"{labels[1]} final", justify="right")
     base, final = result.base_eval, result.final_eval
     if base and final:
         for key, b in base["breakdown"].items():
             f = final["breakdown"].get(key)
-            table.add_row(key, f"{b:.0%}", "-" if f is None else f"{f:.0%}")
-        table.add_row("[bold]all", f"[bold]{base['gold_accuracy']:.1%}", f"[bold]{final['gold_accuracy']:.1%}")
+            table.add_row(key, headline(b, breakdown=True), "-" if f is None else headline(f, breakdown=True))
+        table.add_row("[bold]all", f"[bold]{headline(base['gold_accuracy'])}", f"[bold]{headline(final['gold_accuracy'])}")
         table.add_row(f"{labels[0]} reward", f"{base['proxy_mean']:.3f}", f"{final['proxy_mean']:.3f}")
         table.add_row("diversity (nn)", f"{base['diversity_nn']:.2f}", f"{final['diversity_nn']:.2f}")
     if result.timing:

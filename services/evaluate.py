@@ -25,12 +25,12 @@ def evaluate_checkpoint(run_dir: Path, step: int | None = None, n_per_prompt: in
         raise FileNotFoundError(f"no checkpoint {'latest' if step is None else f'step_{step}'} in {run_dir}")
     policy = testbed.build_policy(load_file(str(ckpt / "policy.safetensors")))
     gen = torch.Generator().manual_seed(cfg.run.eval_seed if seed is None else seed)
-    batch = testbed.eval_sampler().sample(policy, testbed.eval_prompts(), n_per_prompt or testbed.eval_per_prompt,
-                                          gen)
-    scores = testbed.reward_ensemble().score_all(batch.samples, batch.cond, batch.group)
+    batch = testbed.sample(testbed.eval_sampler(), policy, testbed.eval_prompts(),
+                           n_per_prompt or testbed.eval_per_prompt, gen)
+    scores = testbed.reward_ensemble().score_all(*testbed.reward_inputs(policy, batch), batch.group)
     result = {"checkpoint": str(ckpt), **testbed.eval_summary(batch, scores)}
     out = run_dir / f"eval_{ckpt.name}"
     out.mkdir(exist_ok=True)
-    testbed.save_eval(result, out / "samples", f"{ckpt.name}: {testbed.labels[1]} accuracy {result['gold_accuracy']:.1%}")
+    testbed.save_eval(result, out / "samples", f"{ckpt.name}: {testbed.headline_text(result['gold_accuracy'])}")
     (out / "eval.json").write_text(json.dumps(result, indent=1))
     return result

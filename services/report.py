@@ -62,6 +62,28 @@ def save_sample_grid(grid: torch.Tensor, path: Path, title: str, per_class_acc: 
     plt.close(fig)
 
 
+def save_image_grid(images: torch.Tensor, captions: list[str], path: Path, title: str, columns: int = 8,
+                    max_images: int = 32) -> None:
+    """RGB images [B,3,H,W] in [-1, 1] in rows of `columns`, each captioned (prompt and reward)."""
+    images = to_unit_range(images[:max_images]).clamp(0, 1)
+    n = len(images)
+    cols = min(columns, n)
+    rows = -(-n // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(cols * 1.6, rows * 1.8 + 0.4), squeeze=False)
+    for i, ax in enumerate(axes.flat):
+        ax.set_xticks([])
+        ax.set_yticks([])
+        if i < n:
+            ax.imshow(images[i].permute(1, 2, 0).numpy(), interpolation="nearest")
+            ax.set_title(captions[i], fontsize=5)
+        else:
+            ax.axis("off")
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def save_curves(rows: list[dict[str, float]], evals: list[dict[str, Any]], path: Path) -> None:
     """Proxy reward, gold accuracy (per step and at evals) and diversity over steps."""
     fig, axes = plt.subplots(1, 3, figsize=(13, 3.6))

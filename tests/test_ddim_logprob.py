@@ -8,14 +8,14 @@ import torch
 
 from rollout.config import DDIMSamplerConfig, SchedulerConfig, UNetConfig
 from rollout.ddim import DDIMLogProbSampler, gaussian_logp
-from rollout.models import build_scheduler, build_unet
+from rollout.models import build_scheduler, build_class_policy
 
 TINY = UNetConfig(block_out_channels=(8, 16), norm_num_groups=4)
 
 
 def make(dtype=torch.float64, **sampler_kw):
     torch.manual_seed(0)
-    model = build_unet(TINY).to(dtype)
+    model = build_class_policy(TINY).to(dtype)
     sampler = DDIMLogProbSampler(DDIMSamplerConfig(num_steps=6, **sampler_kw), build_scheduler(SchedulerConfig()))
     return model, sampler
 

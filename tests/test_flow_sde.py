@@ -11,7 +11,8 @@ from diffusers import FlowMatchEulerDiscreteScheduler
 from rollout.cache import config_key
 from rollout.config import FlowSDESamplerConfig, SchedulerConfig, UNetConfig
 from rollout.flow_sde import FlowSDESampler
-from rollout.models import build_unet
+from rollout.models import build_class_policy
+from rollout.policy import ClassConditionalPolicy
 from rollout.sampler import GaussianStepSampler, gaussian_logp
 from trainer.pretrain import PretrainConfig, pretrain_unet, pretrained_unet_dir
 
@@ -20,26 +21,22 @@ TINY = UNetConfig(block_out_channels=(8, 16), norm_num_groups=4)
 
 def make(dtype=torch.float64, **sampler_kw):
     torch.manual_seed(0)
-    model = build_unet(TINY).to(dtype)
+    model = build_class_policy(TINY).to(dtype)
     sampler = FlowSDESampler(FlowSDESamplerConfig(num_steps=6, **sampler_kw), SchedulerConfig())
     return model, sampler
 
 
-class _Out:
-    def __init__(self, sample):
-        self.sample = sample
-
-
-class OracleVelocity:
-    """The exact velocity eps - x0 of a known (x0, eps) pair, called like a diffusers UNet."""
+class OracleVelocity(torch.nn.Module):
+    """The exact velocity eps - x0 of a known (x0, eps) pair, called like a policy: (x, t, cond) -> v."""
 
     def __init__(self, x0, eps):
+        super().__init__()
         self.x0, self.eps = x0, eps
         self.calls = []
 
-    def __call__(self, x, t, class_labels=None):
+    def forward(self, x, t, cond=None):
         self.calls.append(t)
-        return _Out(self.eps - self.x0)
+        return self.eps - self.x0
 
 
 def test_every_step_but_the_last_is_stochastic():
@@ -80,7 +77,7 @@ def test_step_is_the_stated_gaussian():
     sigma_s = 0.7 * math.sqrt(s / (1 - s))
     assert float(dist.std[0]) == pytest.approx(sigma_s * math.sqrt(s - s_next), rel=1e-12)
     # mean in flow_grpo's rearranged form: x (1 + sigma^2 Delta / (2s)) + v (1 + sigma^2 (1-s) / (2s)) Delta
-    v = model(x, sampler.timesteps[k].expand(4), class_labels=cond).sample
+    v = model(x, sampler.timesteps[k].expand(4), cond)
     delta = s_next - s
     expected = x * (1 + sigma_s**2 * delta / (2 * s)) + v * (1 + sigma_s**2 * (1 - s) / (2 * s)) * delta
     assert torch.allclose(dist.mean, expected, rtol=0, atol=1e-12)
@@ -143,15 +140,16 @@ def _fixed_velocity_loss(model, n=256, seed=123):
     eps = torch.randn(x0.shape, generator=g)
     xs = (1 - s.view(-1, 1, 1, 1)) * x0 + s.view(-1, 1, 1, 1) * eps
     with torch.no_grad():
-        return torch.nn.functional.mse_loss(model(xs, s * 1000, class_labels=y).sample, eps - x0).item()
+        return torch.nn.functional.mse_loss(model(xs, s * 1000, y), eps - x0).item()
 
 
 def test_velocity_pretraining_fits_the_velocity_not_the_noise():
     sched, cfg = SchedulerConfig(), PretrainConfig(iterations=60, batch_size=32)
     torch.manual_seed(0)
-    untrained = build_unet(TINY).eval()
+    untrained = build_class_policy(TINY).eval()
     v60, losses = pretrain_unet(TINY, sched, cfg, progress=False, prediction="velocity")
     e60, _ = pretrain_unet(TINY, sched, cfg, progress=False, prediction="epsilon")
+    v60, e60 = ClassConditionalPolicy(v60), ClassConditionalPolicy(e60)
     l0, lv, le = _fixed_velocity_loss(untrained), _fixed_velocity_loss(v60), _fixed_velocity_loss(e60)
     assert lv < 0.75 * l0, (l0, lv)  # measured: 1.81 -> 1.01
     assert lv < 0.8 * le, (le, lv)  # an epsilon model is a poor velocity model (measured 1.45)

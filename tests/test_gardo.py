@@ -278,7 +278,7 @@ def test_state_survives_state_dict_into_a_fresh_objective():
 def test_gardo_paper_in_the_deepspeed_learner_resets_the_reference_on_schedule():
     from rollout.config import DDIMSamplerConfig, SchedulerConfig, UNetConfig
     from rollout.ddim import DDIMLogProbSampler
-    from rollout.models import build_scheduler, build_unet
+    from rollout.models import build_scheduler, build_class_policy
     from services.runtime import free_port, set_rank_env
     from trainer.config import LearnerConfig
 
@@ -290,7 +290,7 @@ def test_gardo_paper_in_the_deepspeed_learner_resets_the_reference_on_schedule()
     sampler = DDIMLogProbSampler(DDIMSamplerConfig(num_steps=5), build_scheduler(SchedulerConfig()))
     # the KL threshold is out of reach: the reset below comes from the period alone
     cfg = GARDOPaperSettings(eps_clip=0.2, kl_coef=0.05, ref_reset_every=1, ref_kl_threshold=1e9)
-    learner = DeepSpeedLearner(build_unet(tiny), sampler, cfg,
+    learner = DeepSpeedLearner(build_class_policy(tiny), sampler, cfg,
                                LearnerConfig(lr=1e-3, micro_batch_size=8, inner_epochs=1), seed=0)
     assert learner.objective.needs_reference
     b = sampler.sample(learner.policy, torch.arange(4), 6, torch.Generator().manual_seed(0))
@@ -309,5 +309,5 @@ def test_gardo_paper_in_the_deepspeed_learner_resets_the_reference_on_schedule()
     assert m["gardo/ref_reset"] == 1.0 and m["gardo/resets"] == 1.0
     after = learner.weights()
     assert any(not torch.equal(before[k], after[k]) for k in before)
-    ref = learner.reference.state_dict()
+    ref = learner.reference.trainable_state_dict()
     assert all(torch.equal(ref[k], after[k]) for k in after)

@@ -10,7 +10,7 @@ import torch
 from rollout.config import DDIMSamplerConfig, FlowSDESamplerConfig, SchedulerConfig, UNetConfig
 from rollout.ddim import DDIMLogProbSampler
 from rollout.flow_sde import FlowSDESampler
-from rollout.models import build_scheduler, build_unet
+from rollout.models import build_scheduler, build_class_policy
 from rollout.sampler import gaussian_logp
 from services.runtime import free_port, set_rank_env
 from trainer.config import LearnerConfig
@@ -27,7 +27,7 @@ def make_learner(sampler, settings, lr=1e-3, micro=8, optim=None, reward_fn=None
     from trainer.learner import DeepSpeedLearner
 
     torch.manual_seed(seed)
-    return DeepSpeedLearner(build_unet(TINY), sampler, settings,
+    return DeepSpeedLearner(build_class_policy(TINY), sampler, settings,
                             LearnerConfig(lr=lr, micro_batch_size=micro, optim_batch_size=optim, inner_epochs=1),
                             seed=seed, reward_fn=reward_fn)
 
@@ -297,8 +297,8 @@ def test_draft_surrogate_gradient_equals_minus_the_gradient_of_the_mean_reward()
     learner._reward_backprop_step(micro, olds, MetricSums())
     surrogate = {n: p.grad.clone() for n, p in policy.named_parameters()}
 
-    plain = build_unet(TINY)  # the same weights outside the engine, for plain autograd
-    plain.load_state_dict(learner.weights())
+    plain = build_class_policy(TINY)  # the same weights outside the engine, for plain autograd
+    plain.load_trainable_state_dict(learner.weights())
     x0 = [sampler.denoise_from(plain, mb, first, old.noise) for mb, old in zip(micro, olds)]
     for mb, x in zip(micro, x0):  # the replay with the recorded noise is the sampled trajectory
         assert torch.allclose(x, mb.samples, atol=1e-5)

@@ -7,7 +7,7 @@ import torch
 
 from rollout.config import DDIMSamplerConfig, SchedulerConfig, UNetConfig
 from rollout.ddim import DDIMLogProbSampler
-from rollout.models import build_scheduler, build_unet
+from rollout.models import build_scheduler, build_class_policy
 from services.runtime import free_port, set_rank_env
 from trainer.config import LearnerConfig
 from trainer.objectives.grpo import GRPOSettings
@@ -22,13 +22,13 @@ def learner():
 
     torch.manual_seed(0)
     sampler = DDIMLogProbSampler(DDIMSamplerConfig(num_steps=5), build_scheduler(SchedulerConfig()))
-    return DeepSpeedLearner(build_unet(TINY), sampler, GRPOSettings(eps_clip=0.2),
+    return DeepSpeedLearner(build_class_policy(TINY), sampler, GRPOSettings(eps_clip=0.2),
                             LearnerConfig(lr=1e-3, micro_batch_size=8, inner_epochs=1), seed=0)
 
 
 def scored_batch(learner, reward_fn, seed=0):
-    policy = build_unet(TINY)
-    policy.load_state_dict(learner.weights())
+    policy = build_class_policy(TINY)
+    policy.load_trainable_state_dict(learner.weights())
     b = learner.sampler.sample(policy, torch.arange(4), 6, torch.Generator().manual_seed(seed))
     r = reward_fn(b.samples)
     return b.replace(rewards=r[:, None], reward_names=["r"], reward_key="r")

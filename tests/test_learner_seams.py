@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from rollout.config import DDIMSamplerConfig, FlowSDESamplerConfig, SchedulerConfig, UNetConfig
-from rollout.models import build_unet
+from rollout.models import build_class_policy
 from rollout.samplers import build_sampler
 from services.runtime import free_port, set_rank_env
 from trainer.config import LearnerConfig
@@ -26,12 +26,12 @@ def make_learner(sampler_cfg, objective_cfg, seed=0, **learner_kw):
     torch.manual_seed(seed)
     sampler = build_sampler(sampler_cfg, SchedulerConfig())
     cfg = LearnerConfig(lr=1e-3, micro_batch_size=8, inner_epochs=1, **learner_kw)
-    return DeepSpeedLearner(build_unet(TINY), sampler, objective_cfg, cfg, seed=seed)
+    return DeepSpeedLearner(build_class_policy(TINY), sampler, objective_cfg, cfg, seed=seed)
 
 
 def brightness_batch(learner, seed, n_per_class=6):
-    policy = build_unet(TINY)
-    policy.load_state_dict(learner.weights())
+    policy = build_class_policy(TINY)
+    policy.load_trainable_state_dict(learner.weights())
     b = learner.sampler.sample(policy, torch.arange(4), n_per_class, torch.Generator().manual_seed(seed))
     aux = torch.randn(len(b), generator=torch.Generator().manual_seed(seed + 1))
     r = b.samples.mean(dim=(1, 2, 3))

@@ -92,9 +92,9 @@ def test_batch_split_index_concat_round_trip():
 def test_group_offset_keeps_groups_of_joined_worker_batches_apart():
     from rollout.config import DDIMSamplerConfig, SchedulerConfig, UNetConfig
     from rollout.ddim import DDIMLogProbSampler
-    from rollout.models import build_scheduler, build_unet
+    from rollout.models import build_scheduler, build_class_policy
 
-    model = build_unet(UNetConfig(block_out_channels=(8, 16), norm_num_groups=4))
+    model = build_class_policy(UNetConfig(block_out_channels=(8, 16), norm_num_groups=4))
     sampler = DDIMLogProbSampler(DDIMSamplerConfig(num_steps=3), build_scheduler(SchedulerConfig()))
     g = torch.Generator().manual_seed(0)
     a = sampler.sample(model, torch.tensor([0, 1]), 2, g, group_offset=0)

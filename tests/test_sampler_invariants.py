@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from rollout.config import DDIMSamplerConfig, FlowSDESamplerConfig, SchedulerConfig, UNetConfig
-from rollout.models import build_unet
+from rollout.models import build_class_policy
 from rollout.samplers import build_sampler
 
 TINY = UNetConfig(block_out_channels=(8, 16), norm_num_groups=4)
@@ -17,7 +17,7 @@ SAMPLERS = {"ddim": DDIMSamplerConfig(num_steps=6), "flow_sde": FlowSDESamplerCo
 @pytest.mark.parametrize("batch_size", [1, 3, 16])
 def test_float64_recompute_matches_rollout_for_any_microbatch_split(kind, batch_size):
     torch.manual_seed(0)
-    model = build_unet(TINY).to(torch.float64)
+    model = build_class_policy(TINY).to(torch.float64)
     sampler = build_sampler(SAMPLERS[kind], SchedulerConfig())
     cond = torch.arange(batch_size) % 10
     batch = sampler.sample(model, cond, 1, torch.Generator().manual_seed(batch_size), dtype=torch.float64)

@@ -13,7 +13,7 @@ import torch
 
 from rollout.batch import RolloutBatch
 from rollout.config import DDIMSamplerConfig, SchedulerConfig, UNetConfig
-from rollout.models import build_scheduler, build_unet
+from rollout.models import build_scheduler, build_class_policy
 from services.config import ConfigError, load_config
 from trainer.objectives import PreparePiece, StepInputs, build_objective
 from trainer.objectives.grpo import GRPOSettings
@@ -247,13 +247,13 @@ def learner(request):
     torch.manual_seed(0)
     sampler = DDIMLogProbSampler(DDIMSamplerConfig(num_steps=5), build_scheduler(SchedulerConfig()))
     settings = StableDRLPaperSettings() if request.param == "stabledrl.paper" else StableDRLCodeSettings()
-    return DeepSpeedLearner(build_unet(TINY), sampler, settings,
+    return DeepSpeedLearner(build_class_policy(TINY), sampler, settings,
                             LearnerConfig(lr=1e-3, micro_batch_size=8, optim_batch_size=16, inner_epochs=1), seed=0)
 
 
 def scored_batch(learner, reward_fn, seed):
-    policy = build_unet(TINY)
-    policy.load_state_dict(learner.weights())
+    policy = build_class_policy(TINY)
+    policy.load_trainable_state_dict(learner.weights())
     b = learner.sampler.sample(policy, torch.arange(4), 6, torch.Generator().manual_seed(seed))
     return b.replace(rewards=reward_fn(b.samples)[:, None], reward_names=["r"], reward_key="r")
 

@@ -24,7 +24,6 @@ optimisation step (from the learner's checkpointed generator); the old policy ke
 """
 from __future__ import annotations
 
-import copy
 import logging
 import math
 from collections import defaultdict
@@ -38,6 +37,7 @@ from torch import Tensor, nn
 
 from rollout.batch import RolloutBatch
 from rollout.masked_diffusion import MaskedDiffusionSampler
+from rollout.policy import load_trainable_state, make_reference, state_bytes, trainable_state
 from rollout.sampler import GaussianStepSampler, StepLogProb
 from trainer.balanced_gradient import (DualMomentum, RollingQuantileClipper, apply_module_precision,
                                       enable_activation_checkpointing, scale_module_gradients)
@@ -140,11 +140,12 @@ class DeepSpeedLearner:
         else:
             self.steps_per_sample = max(1, round(self.objective.cfg.timestep_fraction * len(self.train_steps)))
         balanced = learner_cfg.balanced
+        self.network = getattr(policy, "net", policy)  # a Policy's network (module names as the model has them)
         if balanced.module_precision:
-            apply_module_precision(policy, balanced.module_precision)
+            apply_module_precision(self.network, balanced.module_precision)
         if balanced.activation_checkpointing:
-            enable_activation_checkpointing(policy)
-        self.reference = copy.deepcopy(policy).eval().requires_grad_(False)
+            enable_activation_checkpointing(self.network)
+        self.reference = make_reference(policy)  # a frozen copy, or (LoRA) the live network with adapters swapped
         self.advantage_clipper = (RollingQuantileClipper(balanced.quantile, balanced.quantile_window)
                                   if balanced.advantage_quantile_clip else None)
         if not torch.distributed.is_initialized():
@@ -157,6 +158,9 @@ class DeepSpeedLearner:
                                      weight_decay=learner_cfg.weight_decay)
         self.engine, _, _, _ = deepspeed.initialize(model=policy, model_parameters=params, optimizer=optimizer,
                                                     config=deepspeed_config(learner_cfg))
+        self.device = self.engine.device  # the accelerator DeepSpeed placed the policy on (cpu under gloo)
+        self.reference.to(self.device)
+        self.adapters_only = bool(getattr(policy, "adapters_only", False))
         self.generator = torch.Generator().manual_seed(seed)
         self.updates = 0
         self._pre_clip_norm: float | None = None
@@ -169,16 +173,16 @@ class DeepSpeedLearner:
     # ------------------------------------------------------------------ reference (LearnerHooks)
     @torch.no_grad()
     def reset_reference(self) -> None:
-        """Hard-copy the current policy into the reference."""
-        self.reference.load_state_dict(self.policy.state_dict())
+        """Hard-copy the current policy's trained tensors (whole network, or adapters) into the reference."""
+        load_trainable_state(self.reference, trainable_state(self.policy))
 
     @torch.no_grad()
     def ema_reference(self, decay: float) -> None:
-        """ref <- decay * ref + (1 - decay) * policy (floating-point tensors)."""
-        current = self.policy.state_dict()
-        for k, v in self.reference.state_dict().items():
+        """ref <- decay * ref + (1 - decay) * policy (floating-point trained tensors)."""
+        current = trainable_state(self.policy)
+        for k, v in trainable_state(self.reference).items():
             if v.is_floating_point():
-                v.mul_(decay).add_(current[k].to(v.dtype), alpha=1 - decay)
+                v.mul_(decay).add_(current[k].to(device=v.device, dtype=v.dtype), alpha=1 - decay)
 
     # ------------------------------------------------------------------ the update
     @torch.no_grad()
@@ -248,7 +252,7 @@ class DeepSpeedLearner:
             batch = batch.replace(advantages=self.advantage_clipper(batch.advantages))
             metrics["balanced/adv_clip_q"] = float(self.advantage_clipper.last_q)
         perm = torch.randperm(len(batch), generator=self.generator)
-        micro = batch.index(perm).split(self.cfg.micro_batch_size)
+        micro = [mb.to(device=self.device) for mb in batch.index(perm).split(self.cfg.micro_batch_size)]
         olds, recompute_metrics = self._recompute_old(micro)
         metrics.update(recompute_metrics)
         k = self.cfg.micro_per_optim_step
@@ -275,6 +279,7 @@ class DeepSpeedLearner:
             "policy/optimizer_steps": float(len(groups) * self.cfg.inner_epochs),
             "reward/nonfinite_skipped": float(skipped),
             "policy/lr": float(self.engine.get_lr()[0]),
+            "sync/bytes": float(state_bytes(trainable_state(self.policy))),
         })
         if self._module_scales:
             metrics["balanced/module_scale_max"] = max(self._module_scales.values())
@@ -288,7 +293,7 @@ class DeepSpeedLearner:
         if last:
             self._pre_clip_norm = self._grad_norm()
             if self.cfg.balanced.module_grad_scaling:  # after the accumulation boundary, before clip and step
-                scales = scale_module_gradients(self.policy, self.cfg.balanced.scaling_depth,
+                scales = scale_module_gradients(self.network, self.cfg.balanced.scaling_depth,
                                                 self.cfg.balanced.scaling_eps)
                 self._module_scales = scales
             self.engine.step()
@@ -416,17 +421,20 @@ class DeepSpeedLearner:
 
     # ------------------------------------------------------------------ weights and checkpoints
     def weights(self) -> dict[str, Tensor]:
-        """A CPU copy of the policy weights, to publish to rollout workers."""
-        return {k: v.detach().to("cpu", copy=True) for k, v in self.policy.state_dict().items()}
+        """A CPU copy of the trained tensors (the whole network, or only its LoRA adapters), to publish to
+        rollout workers and to checkpoint."""
+        return {k: v.detach().to("cpu", copy=True) for k, v in trainable_state(self.policy).items()}
 
     def save(self, directory: Path) -> None:
-        """Engine (model + optimiser), reference, objective state and RNG."""
+        """Engine (trained tensors + optimiser; a LoRA policy's frozen base is not written), reference,
+        objective state and RNG."""
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
-        self.engine.save_checkpoint(str(directory), tag="engine", save_latest=False)
+        self.engine.save_checkpoint(str(directory), tag="engine", save_latest=False,
+                                    exclude_frozen_parameters=self.adapters_only)
         save_file({k: v.contiguous() for k, v in self.weights().items()}, str(directory / "policy.safetensors"))
-        save_file({k: v.detach().clone().contiguous() for k, v in self.reference.state_dict().items()},
-                  str(directory / "reference.safetensors"))  # clones: tied weights share storage
+        save_file({k: v.detach().to("cpu", copy=True).contiguous() for k, v in trainable_state(self.reference).items()},
+                  str(directory / "reference.safetensors"))  # copies: tied weights share storage
         torch.save({"generator": self.generator.get_state(), "updates": self.updates,
                     "objective": self.objective.name, "objective_state": self.objective.state_dict(),
                     "advantage_clipper": (None if self.advantage_clipper is None
@@ -435,8 +443,8 @@ class DeepSpeedLearner:
 
     def load(self, directory: Path) -> None:
         directory = Path(directory)
-        self.engine.load_checkpoint(str(directory), tag="engine")
-        self.reference.load_state_dict(load_file(str(directory / "reference.safetensors")))
+        self.engine.load_checkpoint(str(directory), tag="engine", load_module_strict=not self.adapters_only)
+        load_trainable_state(self.reference, load_file(str(directory / "reference.safetensors")))
         state = torch.load(directory / "learner_state.pt", weights_only=True)
         if state["objective"] != self.objective.name:
             raise ValueError(f"checkpoint {directory} was written by objective {state['objective']!r}, "

@@ -11,12 +11,14 @@ from services.config import TrainConfig
 from services.testbeds.arith import ArithTestbed
 from services.testbeds.base import Testbed
 from services.testbeds.digits import DigitsTestbed
+from services.testbeds.text_to_image import TextToImageTestbed
 
-TESTBEDS: dict[str, type[Testbed]] = {"digits": DigitsTestbed, "arith": ArithTestbed}
+TESTBEDS: dict[str, type[Testbed]] = {"digits": DigitsTestbed, "arith": ArithTestbed,
+                                      "text_to_image": TextToImageTestbed}
 
 
 def build_testbed(cfg: TrainConfig) -> Testbed:
     return TESTBEDS[cfg.testbed](cfg)
 
 
-__all__ = ["TESTBEDS", "ArithTestbed", "DigitsTestbed", "Testbed", "build_testbed"]
+__all__ = ["TESTBEDS", "ArithTestbed", "DigitsTestbed", "Testbed", "TextToImageTestbed", "build_testbed"]

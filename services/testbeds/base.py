@@ -18,6 +18,8 @@ class Testbed(ABC):
     name: str
     #: (label of the training reward, label of the held-out accuracy) in progress bars and tables
     labels: tuple[str, str] = ("proxy", "gold")
+    #: format of the headline held-out figure (`gold_accuracy`) and its breakdown: an accuracy, or a score
+    headline_format: str = ".1%"
 
     def __init__(self, cfg: TrainConfig):
         self.cfg = cfg
@@ -47,6 +49,22 @@ class Testbed(ABC):
     @abstractmethod
     def eval_prompts(self) -> Tensor:
         """The fixed held-out prompts of every evaluation."""
+
+    def sample_options(self, policy: nn.Module, prompts: Tensor) -> dict[str, Any]:
+        """Extra keyword arguments of `sampler.sample` for these prompt ids (text-to-image: the prompts'
+        embeddings as `cond_inputs`, the latent shape); none for class ids or prompt tokens."""
+        return {}
+
+    def sample(self, sampler, policy: nn.Module, prompts: Tensor, n_per_prompt: int, generator,
+               group_offset: int = 0) -> RolloutBatch:
+        """`n_per_prompt` samples of each prompt id through `sampler` (with this testbed's `sample_options`)."""
+        return sampler.sample(policy, prompts, n_per_prompt, generator, group_offset=group_offset,
+                              **self.sample_options(policy, prompts))
+
+    def reward_inputs(self, policy: nn.Module, batch: RolloutBatch) -> tuple[Any, Any]:
+        """(samples, cond) the reward models score: the batch's own, unless the testbed decodes them
+        (text-to-image: VAE-decoded images and the prompt strings)."""
+        return batch.samples, batch.cond
 
     def eval_sampler(self):
         """The sampler evaluations use (the training sampler unless the testbed says otherwise)."""
@@ -92,6 +110,16 @@ class Testbed(ABC):
         for name, col in zip(scores.names, scores.scores.T):
             out[f"reward/{name}"] = float(col.mean())
         return out
+
+    def headline(self, value: float, breakdown: bool = False) -> str:
+        """The held-out figure as text (an accuracy as a percentage; a reward score as a number)."""
+        fmt = ".0%" if breakdown and self.headline_format.endswith("%") else self.headline_format
+        return format(value, fmt)
+
+    def headline_text(self, value: float) -> str:
+        """"gold accuracy 97.2%" / "held-out reward 0.312": the held-out figure with its name (picture titles)."""
+        kind = "accuracy" if self.headline_format.endswith("%") else "reward"
+        return f"{self.labels[1]} {kind} {self.headline(value)}"
 
     @abstractmethod
     def eval_summary(self, batch: RolloutBatch, scores: EnsembleScores) -> dict[str, Any]:

@@ -27,9 +27,9 @@ class DigitsTestbed(Testbed):
                                       prediction=cfg.sampler.prediction)
 
     def build_policy(self, weights: dict[str, Tensor]) -> nn.Module:
-        from rollout.models import unet_from_weights
+        from rollout.models import class_policy_from_weights
 
-        return unet_from_weights(self.cfg.model, weights)
+        return class_policy_from_weights(self.cfg.model, weights)
 
     def build_sampler(self):
         return build_sampler(self.cfg.sampler, self.cfg.scheduler)

@@ -1,0 +1,96 @@
+"""A short GPU check of a text-to-image preset: a few RL steps in one process, then step time, samples/s,
+peak GPU memory and the bytes one weight sync moves, written to JSON.
+
+    python benchmarks/gpu_check.py configs/sd35-grpo.yaml --steps 3            # the real model (downloaded first)
+    python benchmarks/gpu_check.py configs/sd15-grpo.yaml --steps 3 sampler.num_steps=20
+    python benchmarks/gpu_check.py --tiny sd3 --steps 2                         # tiny random pipeline, no download
+
+It runs the library code `steadyrl train` runs (testbed, sampler, DeepSpeed learner, reward models), with
+the Ray/Serve layer replaced by direct calls (benchmarks/inprocess.py): the rollout policy, the learner and
+the reward models share the one GPU. `--tiny` builds a random SD- or SD3-style pipeline of the real
+architecture and a tiny CLIP (as the tests do) so the whole path can be checked on a machine without
+downloads, on GPU or CPU. The first step includes CUDA warm-up and is reported apart.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+RESULTS = Path(__file__).resolve().parent / "results" / "gpu_check.json"
+
+
+def tiny_overrides(family: str, root: Path) -> list[str]:
+    """A tiny random pipeline of `family` and a tiny CLIP reward, built under `root`."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from tests.tiny_models import save_tiny_clip, save_tiny_sd3_pipeline, save_tiny_sd_pipeline
+
+    pipe = (save_tiny_sd3_pipeline if family == "sd3" else save_tiny_sd_pipeline)(root / family)
+    clip = save_tiny_clip(root / "clip")
+    sampler = ["sampler.kind=flow_sde", "sampler.shift=3.0"] if family == "sd3" else ["sampler.kind=ddim"]
+    return ["testbed=text_to_image", f"text_to_image.pretrained={pipe}", "text_to_image.prompts.train=tiny",
+            "text_to_image.prompts.prompts_per_step=4", "sampler.num_steps=6", "sampler.samples_per_class=8",
+            f"text_to_image.reward.models=[{{kind: clip_score, model: {clip}}}, {{kind: jpeg, upscale: 1}}]",
+            "text_to_image.reward.monitor_only=[jpeg_compressibility]", *sampler]
+
+
+def check(config: str | None, overrides: list[str], steps: int) -> dict[str, Any]:
+    from benchmarks.inprocess import run_in_process
+    from services.config import load_config
+    from services.runtime import free_port
+
+    gpu = torch.cuda.is_available()
+    devices = [] if gpu else ["ray.rollout_gpus=0", "ray.learner_gpus=0", "learner.backend=gloo"]
+    cfg = load_config(config, [*overrides, f"run.steps={steps}", *devices])
+    if gpu:
+        torch.cuda.reset_peak_memory_stats()
+    t0 = time.perf_counter()
+    out = run_in_process(cfg, free_port(), eval_every=10**9, threads=torch.get_num_threads())
+    wall = time.perf_counter() - t0
+    rows = out["rows"]
+    steady = rows[1:] or rows
+    step_s = sum(r["step_s"] for r in steady) / len(steady)
+    samples = cfg.text_to_image.prompts.prompts_per_step * cfg.sampler.samples_per_class
+    return {
+        "config": config, "overrides": overrides, "steps": len(rows),
+        "device": torch.cuda.get_device_name(0) if gpu else "cpu",
+        "first_step_s": rows[0]["step_s"], "step_s": step_s, "samples_per_s": samples / step_s,
+        "peak_gpu_memory_gb": torch.cuda.max_memory_allocated() / 2**30 if gpu else None,
+        "sync_bytes": rows[-1]["sync_bytes"], "train_reward": [r["proxy"] for r in rows],
+        "dtype": cfg.text_to_image.dtype,
+        "recompute_logp_absdiff_max": max(r["logp_absdiff_max"] for r in rows),
+        "finite": out["stopped_at"] is None, "wall_s": wall,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("config", nargs="?", help="a text-to-image preset (configs/sd15-*.yaml, sd35-*.yaml)")
+    parser.add_argument("overrides", nargs="*", help="key.sub=value overrides")
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--tiny", choices=["sd", "sd3"], help="a tiny random pipeline instead of a preset")
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    args = parser.parse_args()
+    if args.config is not None and "=" in args.config:  # `--tiny sd3 key=value`: no preset, only overrides
+        args.overrides, args.config = [args.config, *args.overrides], None
+    if (args.config is None) == (args.tiny is None):
+        parser.error("give a preset or --tiny sd|sd3")
+    with tempfile.TemporaryDirectory() as tmp:
+        overrides = tiny_overrides(args.tiny, Path(tmp)) if args.tiny else []
+        result = check(args.config, [*overrides, *args.overrides], args.steps)
+    result["tiny"] = args.tiny
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    previous = json.loads(args.out.read_text()) if args.out.exists() else []
+    args.out.write_text(json.dumps(previous + [result], indent=1))
+    print(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,34 @@
+"""Human-preference reward in PickScore's form (Kirstain et al., 2023): a CLIP model fine-tuned on Pick-a-Pic
+preferences, scored as its contrastive logit
+
+    r(x, c) = exp(logit_scale) * cos(e_img(x), e_txt(c))     (e_*: CLIP embeddings, reward/clip_models.py)
+
+PickScore_v1 ships only the model; its tokenizer and image normalisation come from the LAION CLIP-H repo
+it was trained from (`processor`).
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from torch import Tensor
+
+from reward.clip_models import ClipBackbone, ClipReward, load_clip
+
+if TYPE_CHECKING:
+    from reward.factory import PreferenceSpec
+
+
+class PreferenceReward(ClipReward):
+    """`score(images [B,3,H,W] in [-1, 1], prompts [B]) -> exp(logit_scale) * cos` as float32 [B] on CPU."""
+
+    def __init__(self, clip: ClipBackbone, name: str = "pickscore", max_batch: int = 32):
+        super().__init__(clip, name, max_batch)
+
+    @classmethod
+    def from_spec(cls, spec: "PreferenceSpec") -> "PreferenceReward":
+        clip = load_clip(spec.model, processor=spec.processor, device=spec.device, dtype=spec.dtype)
+        return cls(clip, name=spec.name, max_batch=spec.max_batch)
+
+    def _score(self, samples: Tensor, prompts: list[str]) -> Tensor:
+        cos = (self.clip.image_embeds(samples) * self.clip.text_embeds(prompts)).sum(dim=-1)
+        return self.clip.model.logit_scale.float().exp() * cos

@@ -1,0 +1,232 @@
+"""The text-to-image testbed: a diffusers pipeline (SD / SDXL / SD3-style) by name or path, text prompts
+from a prompt set, image reward models (CLIP score, aesthetic, PickScore-like, JPEG) behind Serve.
+
+Prompt ids are global: train-split prompts are 0..n_train-1, held-out prompts follow. A rollout worker
+encodes each step's prompts once (text encoders), samples latents (the trajectory holds latents, never
+pixels), and decodes only the final latents with the VAE for the reward models. The learner loads the
+denoiser alone: the embeddings it needs travel in the batch.
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from reward.ensemble import EnsembleScores, RewardEnsemble
+from rollout.batch import RolloutBatch
+from services.testbeds.base import Testbed
+
+
+class TextToImageTestbed(Testbed):
+    """Text prompts -> latents -> decoded images -> image reward models; monitor-only rewards are held out."""
+
+    name = "text_to_image"
+    labels = ("reward", "held-out")
+    headline_format = ".3f"
+
+    def __init__(self, cfg):
+        super().__init__(cfg)
+        self.t2i = cfg.text_to_image
+        self._info = None
+        self._splits = None
+        self._tools = None
+        self.last_images: Tensor | None = None  # the images of the last `reward_inputs` call (eval pictures)
+
+    # ------------------------------------------------------------------ the model
+    @property
+    def info(self):
+        """Family, latent shape and scheduler of the pipeline (configs only; read once)."""
+        if self._info is None:
+            from rollout.diffusers_pipelines import describe_pipeline
+
+            self._info = describe_pipeline(self.t2i.pretrained)
+        return self._info
+
+    def _fresh_policy(self):
+        from rollout.diffusers_pipelines import load_denoiser
+        from rollout.lora import add_lora
+        from rollout.text_to_image import DEFAULT_LORA_TARGETS, TextToImagePolicy
+
+        family = self.info.family
+        policy = TextToImagePolicy(load_denoiser(self.t2i.pretrained, family, self.t2i.dtype), family,
+                                   self.t2i.guidance_scale)
+        if self.t2i.lora is not None:
+            add_lora(policy, self.t2i.lora, DEFAULT_LORA_TARGETS[family])
+        return policy
+
+    def base_weights(self, progress: bool = True) -> Path:
+        """The policy's initial trained tensors (LoRA: the adapters, B = 0; else the whole denoiser), written
+        once into the cache; only these go through the object store, each actor loads the base by path."""
+        from safetensors.torch import save_file
+
+        from rollout.cache import build_dir_atomically, cache_root, config_key
+
+        def build(tmp: Path) -> None:
+            state = self._fresh_policy().trainable_state_dict()
+            save_file({k: v.detach().contiguous() for k, v in state.items()}, str(tmp / "trainable.safetensors"))
+
+        key = config_key({"pretrained": self.t2i.pretrained, "stamp": _weights_stamp(self.t2i.pretrained),
+                          "lora": None if self.t2i.lora is None else self.t2i.lora.model_dump(), "dtype": self.t2i.dtype})
+        return build_dir_atomically(cache_root() / "models" / f"t2i-{key}", build) / "trainable.safetensors"
+
+    def build_policy(self, weights: dict[str, Tensor]) -> nn.Module:
+        policy = self._fresh_policy()
+        policy.load_trainable_state_dict(weights)
+        return policy.eval()
+
+    def build_sampler(self):
+        from diffusers import DDIMScheduler
+
+        from rollout.config import SchedulerConfig
+        from rollout.ddim import DDIMLogProbSampler
+        from rollout.flow_sde import FlowSDESampler
+
+        family, sched, kind = self.info.family, self.info.scheduler, self.cfg.sampler.kind
+        wants = "flow_sde" if family == "sd3" else "ddim"
+        if kind != wants:
+            raise ValueError(f"sampler.kind={kind!r} does not fit {self.t2i.pretrained!r} (a {family} model): "
+                             f"use sampler.kind={wants}")
+        if family == "sd3":
+            shift = float(sched.get("shift", 1.0))
+            if abs(self.cfg.sampler.shift - shift) > 1e-9:
+                raise ValueError(f"sampler.shift={self.cfg.sampler.shift} differs from the model's scheduler "
+                                 f"(shift={shift}): set sampler.shift={shift}")
+            return FlowSDESampler(self.cfg.sampler, SchedulerConfig(num_train_timesteps=sched["num_train_timesteps"]))
+        if sched.get("prediction_type", "epsilon") != "epsilon":
+            raise ValueError(f"{self.t2i.pretrained!r} predicts {sched['prediction_type']!r}; the DDIM log-prob "
+                             "sampler needs an epsilon-prediction model")
+        return DDIMLogProbSampler(self.cfg.sampler, DDIMScheduler.from_config(sched))
+
+    # ------------------------------------------------------------------ prompts
+    @property
+    def splits(self):
+        if self._splits is None:
+            from rollout.prompts import build_splits
+
+            self._splits = build_splits(self.t2i.prompts)
+        return self._splits
+
+    def prompt_texts(self, ids: Tensor) -> list[str]:
+        """Prompt strings of global ids (train split first, then held-out)."""
+        every = self.splits.train.prompts + self.splits.eval.prompts
+        return [every[int(i)] for i in ids]
+
+    def prompt_metadata(self, ids: Tensor) -> list[dict[str, Any]]:
+        every = self.splits.train.metadata + self.splits.eval.metadata
+        return [every[int(i)] for i in ids]
+
+    @property
+    def max_workers(self) -> int:
+        return self.t2i.prompts.prompts_per_step
+
+    def train_prompts(self, worker: int, n_workers: int, step: int) -> tuple[Tensor, int]:
+        from rollout.prompts import step_prompts
+
+        return step_prompts(self.t2i.prompts, len(self.splits.train), step, worker, n_workers)
+
+    def eval_prompts(self) -> Tensor:
+        return len(self.splits.train) + torch.arange(len(self.splits.eval))
+
+    @property
+    def eval_per_prompt(self) -> int:
+        return self.t2i.eval_samples_per_prompt
+
+    # ------------------------------------------------------------------ encoding and decoding (rollout side)
+    def tools(self, policy: nn.Module):
+        """The pipeline's text encoders and VAE around `policy`'s denoiser, on its device (loaded on first use)."""
+        if self._tools is None:
+            from rollout.diffusers_pipelines import PipelineTools
+
+            self._tools = PipelineTools(self.info, policy.net, self.t2i.dtype, self.t2i.resolution)
+        return self._tools
+
+    def sample_options(self, policy: nn.Module, prompts: Tensor) -> dict[str, Any]:
+        """The prompts' embeddings (text encoders run once per prompt batch) and the latent shape."""
+        tools = self.tools(policy)
+        return {"cond_inputs": tools.encode(self.prompt_texts(prompts), self.t2i.negative_prompt, policy.guided),
+                "sample_shape": self.info.latent_shape(self.t2i.resolution)}
+
+    def reward_inputs(self, policy: nn.Module, batch: RolloutBatch) -> tuple[Tensor, list[str]]:
+        """(VAE-decoded images [B,3,H,W] in [-1, 1], the B prompt strings)."""
+        images = self.tools(policy).decode(batch.samples, self.t2i.decode_batch)
+        self.last_images = images
+        return images, self.prompt_texts(batch.cond)
+
+    # ------------------------------------------------------------------ scoring
+    def prepare_rewards(self, console=None) -> None:
+        """Reward models load inside their Serve replicas (by name or path); nothing to build here."""
+
+    def reward_ensemble(self) -> RewardEnsemble:
+        return self.t2i.reward.build_ensemble()
+
+    def reward_spec(self) -> Any:
+        return self.t2i.reward
+
+    @property
+    def gold_name(self) -> str | None:
+        """The first monitor-only reward: the held-out figure (None: the training reward itself)."""
+        return next(iter(self.t2i.reward.monitor_only), None)
+
+    def _held_out(self, scores: EnsembleScores) -> Tensor:
+        return scores.reward if self.gold_name is None else scores.monitors[self.gold_name]
+
+    def rollout_summary(self, batch: RolloutBatch, scores: EnsembleScores) -> dict[str, float]:
+        from reward.diversity import nearest_neighbour_distance
+
+        held_out = self._held_out(scores)
+        out = {
+            "reward/train_mean": float(scores.reward.mean()),
+            "reward/ensemble_mean": float(scores.mean.mean()),
+            "reward/ensemble_std": float(scores.std.mean()),
+            "reward/uncertainty_mean": float(scores.uncertainty.mean()),
+            "reward/gold_mean": float(held_out.mean()),
+            "reward/gold_accuracy": float(held_out.mean()),  # the held-out figure (a score here, not a rate)
+            "diversity/nn_distance": (0.0 if scores.features is None else
+                                      float(nearest_neighbour_distance(scores.features, batch.group).mean())),
+        }
+        for name, col in zip(scores.names, scores.scores.T):
+            out[f"reward/{name}"] = float(col.mean())
+        for name, col in scores.monitors.items():
+            out[f"monitor/{name}"] = float(col.mean())
+        return out
+
+    def eval_summary(self, batch: RolloutBatch, scores: EnsembleScores) -> dict[str, Any]:
+        """Held-out prompts: the held-out reward (`gold_accuracy`, a mean score), per prompt tag; the training
+        reward; diversity; and the images for the picture."""
+        from reward.diversity import nearest_neighbour_distance
+
+        held_out = self._held_out(scores)
+        by_tag: dict[str, list[float]] = defaultdict(list)
+        for meta, value in zip(self.prompt_metadata(batch.cond), held_out.tolist()):
+            by_tag[str(meta.get("tag", "all prompts"))].append(value)
+        texts = self.prompt_texts(batch.cond)
+        return {
+            "gold_accuracy": float(held_out.mean()),
+            "proxy_mean": float(scores.reward.mean()),
+            "diversity_nn": (0.0 if scores.features is None else
+                             float(nearest_neighbour_distance(scores.features, batch.group).mean())),
+            "breakdown": {k: sum(v) / len(v) for k, v in sorted(by_tag.items())},
+            "n_samples": len(batch),
+            "monitors": {k: float(v.mean()) for k, v in scores.monitors.items()},
+            "images": self.last_images,
+            "captions": [f"{t[:28]} ({float(r):.2f})" for t, r in zip(texts, scores.reward)],
+        }
+
+    def save_eval(self, result: dict[str, Any], path_stem: Path, title: str) -> None:
+        from services.report import save_image_grid
+
+        images, captions = result.pop("images"), result.pop("captions")
+        if images is not None:
+            save_image_grid(images, captions, path_stem.with_suffix(".png"), title)
+
+
+def _weights_stamp(source: str) -> list[Any]:
+    """Sizes and modification times of a local pipeline's files (a rebuilt directory is a new cache key)."""
+    root = Path(source)
+    if not root.is_dir():
+        return []
+    return sorted((str(p.relative_to(root)), p.stat().st_size, p.stat().st_mtime_ns) for p in root.rglob("*")
+                  if p.is_file())
