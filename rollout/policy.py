@@ -58,8 +58,9 @@ def make_reference(module: nn.Module) -> nn.Module:
 class Policy(nn.Module, ABC):
     """A denoising network behind `predict(x_t, t, cond)`. Subclasses hold the network as `self.net`.
 
-    `autocast`: a reduced-precision dtype (bf16/fp16) the prediction runs under on GPU (None: full
-    precision); the output is cast back to x_t's dtype, so the sampler's Gaussian stays in float32/64.
+    `autocast`: a reduced-precision dtype (bf16/fp16) the prediction runs under (`torch.autocast` on x's
+    device; None: full precision); the output is cast back to x_t's dtype, so the sampler's Gaussian stays
+    in float32/64.
     """
 
     net: nn.Module
@@ -70,7 +71,7 @@ class Policy(nn.Module, ABC):
         """The network's prediction (epsilon or velocity) at x [B,...], model timesteps t [B] or []."""
 
     def forward(self, x: Tensor, t: Tensor, cond: Cond) -> Tensor:
-        if self.autocast is None or x.device.type == "cpu":
+        if self.autocast is None:
             return self.predict(x, t, cond)
         with torch.autocast(x.device.type, dtype=self.autocast):
             return self.predict(x, t, cond).to(x.dtype)

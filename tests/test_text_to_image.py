@@ -168,3 +168,26 @@ def test_tiny_sdxl_has_sdxls_layout_and_is_deterministic(pipelines, tmp_path):
     files = sorted(p.relative_to(again) for p in again.glob("*/*.safetensors"))
     assert len(files) == 4  # unet, vae, text_encoder, text_encoder_2
     assert all((again / f).read_bytes() == (pipelines["sdxl"] / f).read_bytes() for f in files)
+
+
+@pytest.mark.parametrize("family", ["sd", "sd3"])
+def test_bf16_autocast_keeps_the_sampler_float32_and_its_recompute_close(pipelines, family):
+    """Under `text_to_image.autocast=bfloat16` the network runs in bf16, its prediction comes back float32,
+    and the learner's recompute (other micro-batches) stays within bf16 rounding of the rollout's log-probs."""
+    tb, policy = t2i_policy(pipelines, family, "text_to_image.autocast=bfloat16")
+    assert policy.autocast is torch.bfloat16
+    sampler = tb.build_sampler()
+    prompts, offset = tb.train_prompts(0, 1, 0)
+    batch = tb.sample(sampler, policy, prompts, 3, torch.Generator().manual_seed(0), group_offset=offset)
+    assert batch.traj.dtype == torch.float32 and torch.isfinite(batch.old_logp).all()
+    gaps = [float((sampler.log_prob(policy, mb, s).logp - mb.old_logp[:, s]).abs().max())
+            for mb in batch.split(1) for s in sampler.trainable_steps.tolist()]
+    assert max(gaps) < 5e-2, max(gaps)  # measured on CPU: 0 (its bf16 kernels are batch-invariant; GPUs' are not)
+    mb = batch.index([0, 1])
+    x, t = mb.traj[:, 1], sampler.timesteps[1].expand(2)
+    with torch.no_grad():
+        mixed = policy(x, t, mb.model_cond)
+        policy.autocast = None
+        full = policy(x, t, mb.model_cond)
+    assert mixed.dtype == full.dtype == torch.float32
+    assert 0 < float((mixed - full).abs().max()) < 0.1  # the network really ran in bf16

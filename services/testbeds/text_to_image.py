@@ -55,6 +55,8 @@ class TextToImageTestbed(Testbed):
                                    self.t2i.guidance_scale)
         if self.t2i.lora is not None:
             add_lora(policy, self.t2i.lora, DEFAULT_LORA_TARGETS[family])
+        if self.t2i.autocast != "off":
+            policy.autocast = getattr(torch, self.t2i.autocast)
         return policy
 
     def base_weights(self, progress: bool = True) -> Path:
