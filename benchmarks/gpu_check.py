@@ -3,11 +3,11 @@ peak GPU memory and the bytes one weight sync moves, written to JSON.
 
     python benchmarks/gpu_check.py configs/sd35-grpo.yaml --steps 3            # the real model (downloaded first)
     python benchmarks/gpu_check.py configs/sd15-grpo.yaml --steps 3 sampler.num_steps=20
-    python benchmarks/gpu_check.py --tiny sd3 --steps 2                         # tiny random pipeline, no download
+    python benchmarks/gpu_check.py --tiny flux --steps 2                        # tiny random pipeline, no download
 
 It runs the library code `steadyrl train` runs (testbed, sampler, DeepSpeed learner, reward models), with
 the Ray/Serve layer replaced by direct calls (benchmarks/inprocess.py): the rollout policy, the learner and
-the reward models share the one GPU. `--tiny` builds a random SD- or SD3-style pipeline of the real
+the reward models share the one GPU. `--tiny` builds a random SD-, SDXL-, SD3- or FLUX-style pipeline of the real
 architecture and a tiny CLIP (as the tests do) so the whole path can be checked on a machine without
 downloads, on GPU or CPU. The first step includes CUDA warm-up and is reported apart.
 """
@@ -30,11 +30,13 @@ def tiny_overrides(family: str, root: Path) -> list[str]:
     import sys
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from tests.tiny_models import save_tiny_clip, save_tiny_sd3_pipeline, save_tiny_sd_pipeline
+    from tests import tiny_models
 
-    pipe = (save_tiny_sd3_pipeline if family == "sd3" else save_tiny_sd_pipeline)(root / family)
-    clip = save_tiny_clip(root / "clip")
-    sampler = ["sampler.kind=flow_sde", "sampler.shift=3.0"] if family == "sd3" else ["sampler.kind=ddim"]
+    pipe = getattr(tiny_models, f"save_tiny_{family}_pipeline")(root / family)
+    clip = tiny_models.save_tiny_clip(root / "clip")
+    sampler = ["sampler.kind=flow_sde", "sampler.shift=3.0"] if family in ("sd3", "flux") else ["sampler.kind=ddim"]
+    if family == "flux":
+        sampler.append("text_to_image.max_sequence_length=16")
     return ["testbed=text_to_image", f"text_to_image.pretrained={pipe}", "text_to_image.prompts.train=tiny",
             "text_to_image.prompts.prompts_per_step=4", "sampler.num_steps=6", "sampler.samples_per_class=8",
             f"text_to_image.reward.models=[{{kind: clip_score, model: {clip}}}, {{kind: jpeg, upscale: 1}}]",
@@ -75,13 +77,13 @@ def main() -> None:
     parser.add_argument("config", nargs="?", help="a text-to-image preset (configs/sd15-*.yaml, sd35-*.yaml)")
     parser.add_argument("overrides", nargs="*", help="key.sub=value overrides")
     parser.add_argument("--steps", type=int, default=3)
-    parser.add_argument("--tiny", choices=["sd", "sd3"], help="a tiny random pipeline instead of a preset")
+    parser.add_argument("--tiny", choices=["sd", "sdxl", "sd3", "flux"], help="a tiny random pipeline, no preset")
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
     if args.config is not None and "=" in args.config:  # `--tiny sd3 key=value`: no preset, only overrides
         args.overrides, args.config = [args.config, *args.overrides], None
     if (args.config is None) == (args.tiny is None):
-        parser.error("give a preset or --tiny sd|sd3")
+        parser.error("give a preset or --tiny sd|sdxl|sd3|flux")
     with tempfile.TemporaryDirectory() as tmp:
         overrides = tiny_overrides(args.tiny, Path(tmp)) if args.tiny else []
         result = check(args.config, [*overrides, *args.overrides], args.steps)

@@ -31,6 +31,9 @@ SD35_MEDIUM_TRANSFORMER = dict(sample_size=128, patch_size=2, in_channels=16, nu
                                num_attention_heads=24, joint_attention_dim=4096, caption_projection_dim=1536,
                                pooled_projection_dim=2048, out_channels=16, pos_embed_max_size=384,
                                dual_attention_layers=tuple(range(13)), qk_norm="rms_norm")
+FLUX1_DEV_TRANSFORMER = dict(patch_size=1, in_channels=64, num_layers=19, num_single_layers=38, attention_head_dim=128,
+                             num_attention_heads=24, joint_attention_dim=4096, pooled_projection_dim=768,
+                             guidance_embeds=True, axes_dims_rope=(16, 56, 56))
 
 
 def measure(name: str, net: torch.nn.Module, family: str, lora: LoRAConfig, base_dtype: torch.dtype) -> dict:
@@ -45,7 +48,7 @@ def measure(name: str, net: torch.nn.Module, family: str, lora: LoRAConfig, base
 
 
 def main() -> None:
-    from diffusers import SD3Transformer2DModel, UNet2DConditionModel
+    from diffusers import FluxTransformer2DModel, SD3Transformer2DModel, UNet2DConditionModel
 
     rows = []
     with torch.device("meta"):
@@ -54,6 +57,8 @@ def main() -> None:
         rows.append(measure("stable-diffusion-3.5-medium (configs/sd35-*.yaml)",
                             SD3Transformer2DModel(**SD35_MEDIUM_TRANSFORMER), "sd3", LoRAConfig(rank=32, alpha=64),
                             torch.bfloat16))
+        rows.append(measure("FLUX.1-dev (configs/flux-grpo.yaml)", FluxTransformer2DModel(**FLUX1_DEV_TRANSFORMER),
+                            "flux", LoRAConfig(rank=32, alpha=64), torch.bfloat16))
     from rollout.diffusers_pipelines import load_denoiser
     from tests.tiny_models import save_tiny_sd3_pipeline, save_tiny_sd_pipeline
 

@@ -31,10 +31,30 @@ from rollout.sampler import ConditionalModel, GaussianStepSampler, StepDistribut
 __all__ = ["FlowSDESampler", "flow_sigmas", "flow_noise_level"]
 
 
-def flow_sigmas(cfg: FlowSDESamplerConfig, scheduler: SchedulerConfig) -> tuple[Tensor, Tensor]:
-    """(sigmas [T+1] float64, from 1 down to 0; model timesteps [T]) of diffusers' flow-matching scheduler."""
-    sched = FlowMatchEulerDiscreteScheduler(num_train_timesteps=scheduler.num_train_timesteps, shift=cfg.shift)
-    sched.set_timesteps(cfg.num_steps)
+def flow_sigmas(cfg: FlowSDESamplerConfig, scheduler: SchedulerConfig, model_scheduler: dict | None = None,
+                image_seq_len: int | None = None) -> tuple[Tensor, Tensor]:
+    """(sigmas [T+1] float64, from 1 down to 0; model timesteps [T]) of diffusers' flow-matching scheduler.
+
+    Default (SD3 and the digits testbed): `FlowMatchEulerDiscreteScheduler(shift=cfg.shift).set_timesteps(T)`.
+    With `model_scheduler` (a FLUX pipeline's scheduler config): FluxPipeline's grid, sigmas
+    linspace(1, 1/T, T) shifted by the config's static shift, or, with `use_dynamic_shifting`, by
+    mu = calculate_shift(image_seq_len) (larger images spend more steps at high noise)."""
+    if model_scheduler is None:
+        sched = FlowMatchEulerDiscreteScheduler(num_train_timesteps=scheduler.num_train_timesteps, shift=cfg.shift)
+        sched.set_timesteps(cfg.num_steps)
+        return sched.sigmas.double().clone(), sched.timesteps.clone()
+    import numpy as np
+    from diffusers.pipelines.flux.pipeline_flux import calculate_shift
+
+    sched = FlowMatchEulerDiscreteScheduler.from_config(model_scheduler)
+    mu = None
+    if sched.config.use_dynamic_shifting:
+        if image_seq_len is None:
+            raise ValueError("a dynamically shifted flow grid needs the image's token count (image_seq_len)")
+        mu = calculate_shift(image_seq_len, sched.config.get("base_image_seq_len", 256),
+                             sched.config.get("max_image_seq_len", 4096), sched.config.get("base_shift", 0.5),
+                             sched.config.get("max_shift", 1.15))
+    sched.set_timesteps(sigmas=np.linspace(1.0, 1 / cfg.num_steps, cfg.num_steps), mu=mu)
     return sched.sigmas.double().clone(), sched.timesteps.clone()
 
 
@@ -54,9 +74,10 @@ class FlowSDESampler(GaussianStepSampler):
     dt (|Delta|, float64), trainable (std >= cfg.min_std).
     """
 
-    def __init__(self, cfg: FlowSDESamplerConfig, scheduler: SchedulerConfig):
+    def __init__(self, cfg: FlowSDESamplerConfig, scheduler: SchedulerConfig, model_scheduler: dict | None = None,
+                 image_seq_len: int | None = None):
         self.cfg = cfg
-        self.sigmas, self.timesteps = flow_sigmas(cfg, scheduler)  # [T+1] float64, [T]
+        self.sigmas, self.timesteps = flow_sigmas(cfg, scheduler, model_scheduler, image_seq_len)  # [T+1], [T]
         self.delta = self.sigmas[1:] - self.sigmas[:-1]  # [T], < 0
         self.noise_level = flow_noise_level(self.sigmas, cfg.noise_level)  # [T]
         self.dt = self.delta.abs()

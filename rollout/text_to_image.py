@@ -8,7 +8,9 @@ and the learner's log-prob recompute feed the network the same tensors, through 
 
 (diffusers' form and order: one forward over [negative; positive]; w = 1 is a single conditional pass).
 Families: `sd` (SD 1.x/2.x: `UNet2DConditionModel`, epsilon, DDIM), `sdxl` (the same UNet with pooled
-text embeddings and size ids), `sd3` (`SD3Transformer2DModel`, velocity, the flow SDE).
+text embeddings and size ids), `sd3` (`SD3Transformer2DModel`, velocity, the flow SDE) and `flux`
+(`FluxTransformer2DModel`, velocity, the flow SDE on packed 2x2-patch latents [B, seq, 4C]; FLUX.1 is
+guidance-distilled: w enters as the network's guidance embedding, one forward, no negative branch).
 """
 from __future__ import annotations
 
@@ -19,25 +21,30 @@ from torch import Tensor, nn
 
 from rollout.policy import Cond, Policy
 
-Family = Literal["sd", "sdxl", "sd3"]
+Family = Literal["sd", "sdxl", "sd3", "flux"]
 
 #: the conditioning each family's denoiser reads (each also has a `negative_<name>` twin for guidance)
 COND_KEYS: dict[str, tuple[str, ...]] = {
     "sd": ("prompt_embeds",),
     "sdxl": ("prompt_embeds", "pooled_prompt_embeds", "add_time_ids"),
     "sd3": ("prompt_embeds", "pooled_prompt_embeds"),
+    "flux": ("prompt_embeds", "pooled_prompt_embeds", "txt_ids", "img_ids"),
 }
+#: families whose guidance is an input of the network (distilled), not classifier-free
+EMBEDDED_GUIDANCE = ("flux",)
 
 #: LoRA targets when `lora.target_modules` is not given (DDPO / Flow-GRPO's choices)
 DEFAULT_LORA_TARGETS: dict[str, list[str]] = {
     "sd": ["to_q", "to_k", "to_v", "to_out.0"],
     "sdxl": ["to_q", "to_k", "to_v", "to_out.0"],
     "sd3": ["to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out"],
+    "flux": ["to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out"],
 }
 
 
 class TextToImagePolicy(Policy):
-    """`predict(x, t, cond)`: the guided epsilon (sd, sdxl) or velocity (sd3) at latents x [B,C,h,w].
+    """`predict(x, t, cond)`: the guided epsilon (sd, sdxl) or velocity (sd3, flux) at latents x [B,C,h,w]
+    (flux: packed [B, seq, 4C]).
 
     `cond` holds, per sample, the family's `COND_KEYS` and their `negative_` twins. Inputs are cast to the
     network's dtype and the prediction back to x's dtype (a bf16 network under a float32 sampler).
@@ -53,7 +60,8 @@ class TextToImagePolicy(Policy):
 
     @property
     def guided(self) -> bool:
-        return self.guidance_scale != 1.0
+        """Classifier-free guidance: a negative branch (never for guidance-distilled families)."""
+        return self.guidance_scale != 1.0 and self.family not in EMBEDDED_GUIDANCE
 
     def _forward(self, x: Tensor, t: Tensor, cond: dict[str, Tensor]) -> Tensor:
         dtype = next(self.net.parameters()).dtype
@@ -62,6 +70,12 @@ class TextToImagePolicy(Policy):
         if self.family == "sd3":
             return self.net(hidden_states=x, timestep=t, encoder_hidden_states=cond["prompt_embeds"],
                             pooled_projections=cond["pooled_prompt_embeds"]).sample
+        if self.family == "flux":  # diffusers' FluxPipeline: timestep / 1000, ids shared by the batch
+            guidance = (torch.full((len(x),), self.guidance_scale, device=x.device, dtype=torch.float32)
+                        if self.net.config.guidance_embeds else None)
+            return self.net(hidden_states=x, timestep=t.to(dtype) / 1000, guidance=guidance,
+                            pooled_projections=cond["pooled_prompt_embeds"], encoder_hidden_states=cond["prompt_embeds"],
+                            txt_ids=cond["txt_ids"][0], img_ids=cond["img_ids"][0]).sample
         added = None
         if self.family == "sdxl":
             added = {"text_embeds": cond["pooled_prompt_embeds"], "time_ids": cond["add_time_ids"]}

@@ -58,6 +58,9 @@ class TextToImageConfig(StrictModel):
     guidance_scale: float = Field(4.5, ge=1.0, description="classifier-free guidance w, identical in sampling and "
                                   "the log-prob recompute (1 = off: one forward instead of two); Flow-GRPO: 4.5")
     negative_prompt: str = Field("", description="the unconditional branch's prompt (the same in recompute)")
+    max_sequence_length: int | None = Field(
+        None, ge=1, le=512, description="T5 prompt tokens (SD3, FLUX); None: the pipeline's default (SD3 256, "
+        "FLUX 512). Shorter saves the embeddings' memory in every batch")
     dtype: Literal["float32", "bfloat16", "float16"] = Field(
         "float32", description="weights of the denoiser, text encoders and VAE; bf16 halves memory on GPU (the "
         "sampler's Gaussian stays float32: see README for the recompute tolerance it implies)")

@@ -11,20 +11,24 @@ import torch
 
 from services.config import ConfigError, load_config
 from services.testbeds import build_testbed
-from tests.tiny_models import save_tiny_sd3_pipeline, save_tiny_sd_pipeline, save_tiny_sdxl_pipeline
+from tests.tiny_models import (save_tiny_flux_pipeline, save_tiny_sd3_pipeline, save_tiny_sd_pipeline,
+                               save_tiny_sdxl_pipeline)
 
-FAMILIES = ("sd", "sdxl", "sd3")
+FAMILIES = ("sd", "sdxl", "sd3", "flux")
+FLOW = ("sd3", "flux")  # velocity models: the flow SDE
 
 
 @pytest.fixture(scope="module")
 def pipelines(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("pipelines")
     return {"sd": save_tiny_sd_pipeline(root / "sd"), "sdxl": save_tiny_sdxl_pipeline(root / "sdxl"),
-            "sd3": save_tiny_sd3_pipeline(root / "sd3")}
+            "sd3": save_tiny_sd3_pipeline(root / "sd3"), "flux": save_tiny_flux_pipeline(root / "flux")}
 
 
 def t2i_config(path: Path, family: str, *extra: str):
-    sampler = ["sampler.kind=flow_sde", "sampler.shift=3.0"] if family == "sd3" else ["sampler.kind=ddim"]
+    sampler = ["sampler.kind=flow_sde", "sampler.shift=3.0"] if family in FLOW else ["sampler.kind=ddim"]
+    if family == "flux":
+        sampler.append("text_to_image.max_sequence_length=16")
     return load_config(None, ["testbed=text_to_image", f"text_to_image.pretrained={path}",
                               "text_to_image.prompts.train=tiny", "text_to_image.prompts.prompts_per_step=2",
                               "sampler.num_steps=4", "sampler.samples_per_class=3", *sampler, *extra])
@@ -39,7 +43,7 @@ def t2i_policy(pipelines, family, *extra):
 
 # (family, negative prompt); "" is no negative prompt: SDXL (force_zeros_for_empty_prompt) then zeroes the
 # unconditional branch's embeddings instead of encoding ""
-NOISE_OFF_CASES = [(family, "blurry") for family in FAMILIES] + [("sdxl", "")]
+NOISE_OFF_CASES = [(family, "blurry") for family in FAMILIES if family != "flux"] + [("sdxl", ""), ("flux", "")]
 
 
 @pytest.mark.parametrize("family,negative", NOISE_OFF_CASES)
@@ -49,7 +53,7 @@ def test_sampling_with_the_noise_off_is_the_diffusers_pipelines_own_loop(pipelin
     the pipeline's own add_time_ids for its default size, no crop; pooled text embeddings of both prompts)."""
     from diffusers import DiffusionPipeline
 
-    knob = "sampler.noise_level=1e-12" if family == "sd3" else "sampler.eta=1e-12"
+    knob = "sampler.noise_level=1e-12" if family in FLOW else "sampler.eta=1e-12"
     neg = [f"text_to_image.negative_prompt={negative}"] if negative else []
     tb, policy = t2i_policy(pipelines, family, knob, "text_to_image.guidance_scale=3.0", *neg,
                             "text_to_image.lora=null")
@@ -64,14 +68,19 @@ def test_sampling_with_the_noise_off_is_the_diffusers_pipelines_own_loop(pipelin
     extra = {"text_encoder_3": None, "tokenizer_3": None} if family == "sd3" else {}
     pipe = DiffusionPipeline.from_pretrained(str(pipelines[family]), **extra)
     pipe.set_progress_bar_config(disable=True)
-    if family != "sd3":
+    if family not in FLOW:
         from diffusers import DDIMScheduler
 
         pipe.scheduler = DDIMScheduler.from_config(pipe.scheduler.config)
+    kwargs = {"eta": 0.0} if family not in FLOW else {}
+    if family == "flux":  # guidance-distilled: no negative prompt; FluxPipeline's own size default is 256 px
+        side = tb.info.resolution
+        kwargs = {"height": side, "width": side, "max_sequence_length": 16}
+    else:
+        kwargs["negative_prompt"] = [negative] * 2 if negative else None
     with torch.no_grad():
-        theirs = pipe(tb.prompt_texts(prompts) * 2, negative_prompt=[negative] * 2 if negative else None,
-                      latents=x_T.clone(), num_inference_steps=4, guidance_scale=3.0, output_type="latent",
-                      **({"eta": 0.0} if family != "sd3" else {})).images
+        theirs = pipe(tb.prompt_texts(prompts) * 2, latents=x_T.clone(), num_inference_steps=4, guidance_scale=3.0,
+                      output_type="latent", **kwargs).images
     torch.testing.assert_close(ours.samples, theirs, rtol=0, atol=2e-5)
     assert ours.traj.shape[2:] == x_T.shape[1:]  # latents, not pixels, in the trajectory
 
@@ -191,3 +200,20 @@ def test_bf16_autocast_keeps_the_sampler_float32_and_its_recompute_close(pipelin
         full = policy(x, t, mb.model_cond)
     assert mixed.dtype == full.dtype == torch.float32
     assert 0 < float((mixed - full).abs().max()) < 0.1  # the network really ran in bf16
+
+
+def test_a_flux_lora_policy_trains_in_process_with_only_its_adapters_synced(pipelines):
+    """FLUX (packed latents, distilled guidance, the dynamically shifted flow grid) through the same learner:
+    two steps in one process; each sync is the adapters; the recompute of the rollout's log-probs agrees."""
+    from benchmarks.inprocess import run_in_process
+    from services.runtime import free_port
+
+    cfg = t2i_config(pipelines["flux"], "flux", "run.steps=2", "learner.micro_batch_size=6",
+                     "objective.train_min_std=0.0", "text_to_image.guidance_scale=3.5")
+    out = run_in_process(cfg, free_port(), eval_every=10**9)
+    tb, policy = t2i_policy(pipelines, "flux")
+    adapters = policy.trainable_state_dict()
+    assert out["stopped_at"] is None and len(out["rows"]) == 2
+    assert all(r["sync_bytes"] == sum(v.numel() * v.element_size() for v in adapters.values()) for r in out["rows"])
+    assert max(r["logp_absdiff_max"] for r in out["rows"]) < 1e-4
+    assert all(r["policy/grad_norm"] > 0 for r in out["rows"])

@@ -196,3 +196,163 @@ def test_same_seed_same_weights(build, tmp_path):
     assert all(torch.equal(a[k], b[k]) for k in a)
     c = _weights(build(tmp_path / "c", seed=4))
     assert any(not torch.equal(a[k], c[k]) for k in a if a[k].numel() > 1 and a[k].std() > 0)
+
+
+# ---------------------------------------------------------------- FLUX.1 (dev: guidance embedding; schnell: none)
+
+import numpy as np
+
+from tests.tiny_models import (
+    TINY_FLUX_CLIP_HIDDEN, TINY_FLUX_T5_HIDDEN, save_tiny_flux_pipeline, save_tiny_t5_tokenizer)
+
+FLUX_SEQ = 16  # max_sequence_length passed in these tests (the pipeline's default, 512, works too)
+
+
+@pytest.fixture(scope="module")
+def flux_dir(tmp_path_factory) -> Path:
+    return save_tiny_flux_pipeline(tmp_path_factory.mktemp("tiny_flux"))
+
+
+@pytest.fixture(scope="module")
+def flux_schnell_dir(tmp_path_factory) -> Path:
+    return save_tiny_flux_pipeline(tmp_path_factory.mktemp("tiny_flux_schnell"), guidance_embeds=False)
+
+
+def _flux_generate(pipe, guidance_scale: float = 3.5, **kwargs) -> torch.Tensor:
+    kwargs = {"num_inference_steps": 2, "height": 16, "width": 16, "max_sequence_length": FLUX_SEQ,
+              "output_type": "pt", **kwargs}
+    return pipe("a cat", guidance_scale=guidance_scale, generator=torch.Generator().manual_seed(0), **kwargs).images
+
+
+def test_t5_tokenizer_loads_offline(tmp_path):
+    from transformers import AutoTokenizer, T5TokenizerFast
+
+    path = save_tiny_t5_tokenizer(tmp_path / "t5")
+    for tok in (T5TokenizerFast.from_pretrained(path), AutoTokenizer.from_pretrained(path)):
+        assert (tok.pad_token, tok.eos_token, tok.unk_token) == ("<pad>", "</s>", "<unk>")
+        assert (tok.pad_token_id, tok.eos_token_id, tok.unk_token_id) == (0, 1, 2)
+        assert tok.model_max_length == 512
+        assert tok.tokenize("a photo of a cat") == ["▁a", "▁photo", "▁of", "▁a", "▁cat"]
+        for text in ("a photo of a cat", "A Zebra, 42 stripes!  (x2)"):
+            ids = tok(text).input_ids
+            assert tok.unk_token_id not in ids and ids[-1] == tok.eos_token_id
+            assert tok.decode(ids, skip_special_tokens=True) == " ".join(text.split())
+        padded = tok(["a cat"], padding="max_length", max_length=8, truncation=True).input_ids[0]
+        assert padded[:3] == tok("a cat").input_ids and padded[3:] == [0] * 5
+
+
+def test_flux_loads_by_path_with_each_component(flux_dir):
+    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
+    from transformers import AutoTokenizer, CLIPTextModel, CLIPTokenizer, T5EncoderModel, T5TokenizerFast
+
+    pipe = _load(flux_dir)
+    assert type(pipe) is FluxPipeline and type(FluxPipeline.from_pretrained(flux_dir)) is FluxPipeline
+    assert pipe.image_encoder is None and pipe.feature_extractor is None
+    assert pipe.vae_scale_factor == 2
+    transformer = FluxTransformer2DModel.from_pretrained(flux_dir, subfolder="transformer")
+    vae = AutoencoderKL.from_pretrained(flux_dir, subfolder="vae")
+    te1 = CLIPTextModel.from_pretrained(flux_dir, subfolder="text_encoder")
+    te2 = T5EncoderModel.from_pretrained(flux_dir, subfolder="text_encoder_2")
+    tok1 = CLIPTokenizer.from_pretrained(flux_dir, subfolder="tokenizer")
+    tok2 = T5TokenizerFast.from_pretrained(flux_dir, subfolder="tokenizer_2")
+    assert len(AutoTokenizer.from_pretrained(flux_dir, subfolder="tokenizer_2")) == len(tok2)
+    scheduler = FlowMatchEulerDiscreteScheduler.from_pretrained(flux_dir, subfolder="scheduler")
+    tc, vc = transformer.config, vae.config
+    assert tc.in_channels == 4 * vc.latent_channels == 64 and tc.out_channels is None and tc.patch_size == 1
+    assert (tc.num_layers, tc.num_single_layers, tc.num_attention_heads, tc.attention_head_dim) == (1, 1, 2, 16)
+    assert sum(tc.axes_dims_rope) == tc.attention_head_dim and tc.guidance_embeds is True
+    assert tc.joint_attention_dim == te2.config.d_model == TINY_FLUX_T5_HIDDEN
+    assert tc.pooled_projection_dim == te1.config.hidden_size == TINY_FLUX_CLIP_HIDDEN
+    assert (vc.scaling_factor, vc.shift_factor, vc.use_quant_conv, vc.use_post_quant_conv) == (
+        0.3611, 0.1159, False, False)
+    assert len(tok1) == te1.config.vocab_size and tok1.model_max_length == 77
+    assert len(tok2) == te2.config.vocab_size and tok2.model_max_length == 512
+    assert (tok2.pad_token_id, tok2.eos_token_id) == (te2.config.pad_token_id, te2.config.eos_token_id) == (0, 1)
+    assert te2.config.is_gated_act and te2.config.dense_act_fn == "gelu_new"  # T5 v1.1's gated-gelu
+    sc = scheduler.config
+    assert (sc.num_train_timesteps, sc.shift, sc.use_dynamic_shifting, sc.base_shift, sc.max_shift,
+            sc.base_image_seq_len, sc.max_image_seq_len) == (1000, 3.0, True, 0.5, 1.15, 256, 4096)
+    for module in (transformer, vae, te1, te2):
+        assert _n_params(module) < 1_000_000
+
+
+@pytest.mark.parametrize("variant", ["dev", "schnell"])
+def test_flux_pipeline_generates(variant, request):
+    pipe = _load(request.getfixturevalue("flux_dir" if variant == "dev" else "flux_schnell_dir"))
+    assert pipe.transformer.config.guidance_embeds is (variant == "dev")
+    images = _flux_generate(pipe)
+    assert images.shape == (1, 3, 16, 16)
+    assert torch.isfinite(images).all() and images.min() >= 0 and images.max() <= 1
+    assert torch.equal(images, _flux_generate(pipe))  # seeded generator: same images
+    # the guidance scale is an input of dev's transformer (no CFG pass); schnell ignores it
+    assert torch.equal(images, _flux_generate(pipe, guidance_scale=1.0)) is (variant == "schnell")
+    assert _flux_generate(pipe, height=32, width=24).shape == (1, 3, 32, 24)
+
+
+def test_flux_encode_prompt_shapes(flux_dir):
+    pipe = _load(flux_dir)
+    with torch.no_grad():
+        emb, pooled, text_ids = pipe.encode_prompt(["a cat"], prompt_2=None, max_sequence_length=FLUX_SEQ)
+        emb_2, pooled_2, _ = pipe.encode_prompt(["a cat"], prompt_2=["a dog"], max_sequence_length=FLUX_SEQ)
+        emb_x2, pooled_x2, _ = pipe.encode_prompt("a cat", num_images_per_prompt=2, max_sequence_length=FLUX_SEQ)
+        emb_full, _, ids_full = pipe.encode_prompt("a cat")
+    assert emb.shape == (1, FLUX_SEQ, TINY_FLUX_T5_HIDDEN)      # T5 states, padded to max_sequence_length
+    assert pooled.shape == (1, TINY_FLUX_CLIP_HIDDEN)           # CLIPTextModel's pooler output
+    assert text_ids.shape == (FLUX_SEQ, 3) and text_ids.eq(0).all()
+    assert emb_full.shape == (1, 512, TINY_FLUX_T5_HIDDEN) and ids_full.shape == (512, 3)
+    # no attention mask reaches T5, so its states attend to the padding: the padded length changes the prompt rows
+    assert not torch.allclose(emb_full[:, :FLUX_SEQ], emb)
+    assert torch.equal(pooled, pooled_2) and not torch.equal(emb, emb_2)  # prompt_2 feeds T5 only
+    assert emb_x2.shape == (2, FLUX_SEQ, TINY_FLUX_T5_HIDDEN) and torch.equal(emb_x2[1], emb[0])
+    assert pooled_x2.shape == (2, TINY_FLUX_CLIP_HIDDEN)
+
+
+def test_flux_latents_and_sigmas(flux_dir):
+    """16x16 images: latents [1, 16, 8, 8] packed 2x2 into 16 tokens of 64; FLUX.1's resolution-dependent shift
+    mu = calculate_shift(16) = 0.5 + (16 - 256) * 0.65 / 3840 = 0.459375 (below base_shift: 16 < 256 tokens)."""
+    from diffusers.pipelines.flux.pipeline_flux import calculate_shift, retrieve_timesteps
+
+    pipe = _load(flux_dir)
+    packed = _flux_generate(pipe, output_type="latent")
+    assert packed.shape == (1, 16, 64)
+    unpacked = pipe._unpack_latents(packed, 16, 16, pipe.vae_scale_factor)
+    assert unpacked.shape == (1, 16, 8, 8)
+    assert torch.equal(pipe._pack_latents(unpacked, 1, 16, 8, 8), packed)
+    c = pipe.scheduler.config
+    mu = calculate_shift(packed.shape[1], c.base_image_seq_len, c.max_image_seq_len, c.base_shift, c.max_shift)
+    assert mu == pytest.approx(0.459375)
+    timesteps, n = retrieve_timesteps(pipe.scheduler, 4, "cpu", sigmas=np.linspace(1.0, 1 / 4, 4), mu=mu)
+    want = [1.0, 0.8260643, 0.6128659, 0.3454190]  # exp(mu) s / (1 + (exp(mu) - 1) s) for s = 1, .75, .5, .25
+    assert n == 4
+    torch.testing.assert_close(timesteps, torch.tensor(want) * 1000)
+    torch.testing.assert_close(pipe.scheduler.sigmas, torch.tensor(want + [0.0]))
+
+
+def test_flux_one_step_matches_transformer_forward(flux_dir):
+    """One Euler step from sigma 1 to 0 is x - v, v the transformer's output at t = 1 with guidance 3.5 on the
+    encoded prompt: recompute it from the components."""
+    pipe = _load(flux_dir)
+    got = _flux_generate(pipe, num_inference_steps=1, output_type="latent")
+    with torch.no_grad():
+        emb, pooled, text_ids = pipe.encode_prompt("a cat", max_sequence_length=FLUX_SEQ)
+        x = torch.randn((1, 16, 8, 8), generator=torch.Generator().manual_seed(0))
+        x = pipe._pack_latents(x, 1, 16, 8, 8)
+        img_ids = pipe._prepare_latent_image_ids(1, 4, 4, "cpu", x.dtype)
+        v = pipe.transformer(hidden_states=x, timestep=torch.ones(1), guidance=torch.full([1], 3.5),
+                             pooled_projections=pooled, encoder_hidden_states=emb, txt_ids=text_ids, img_ids=img_ids,
+                             return_dict=False)[0]
+    assert img_ids.shape == (16, 3)
+    torch.testing.assert_close(got, x - v, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("guidance_embeds", [True, False], ids=["dev", "schnell"])
+def test_flux_same_seed_same_weights(guidance_embeds, tmp_path):
+    def build(name, seed):
+        return _weights(save_tiny_flux_pipeline(tmp_path / name, seed=seed, guidance_embeds=guidance_embeds))
+
+    a, b = build("a", 3), build("b", 3)
+    assert a.keys() == b.keys()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert any("guidance_embedder" in k for k in a) is guidance_embeds
+    c = build("c", 4)
+    assert any(not torch.equal(a[k], c[k]) for k in a if a[k].numel() > 1 and a[k].std() > 0)

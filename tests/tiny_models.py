@@ -280,3 +280,110 @@ def save_tiny_sdxl_pipeline(path: str | Path, seed: int = 0, sample_size: int = 
                                      force_zeros_for_empty_prompt=True, add_watermarker=False)
     pipe.save_pretrained(path)
     return path
+
+
+# --------------------------------------------------------------------------------------------------------------
+#   save_tiny_t5_tokenizer    a working T5 tokenizer (a `tokenizers` Unigram model, SentencePiece-style "▁"
+#                             word pieces, T5's <pad>=0, </s>=1, <unk>=2, no <extra_id_*> sentinels) that loads
+#                             offline with T5TokenizerFast/T5Tokenizer/AutoTokenizer.from_pretrained
+#   save_tiny_flux_pipeline   FluxPipeline, FLUX.1's layout: FluxTransformer2DModel (16 latent channels packed
+#                             2x2 into 64, 1 double + 1 single stream block, 2 heads of 16, rope axes (4, 6, 6),
+#                             guidance embedding as FLUX.1-dev's, or not as schnell's), AutoencoderKL (FLUX's
+#                             scaling 0.3611 / shift 0.1159, no quant convs, vae_scale_factor 2), CLIPTextModel
+#                             (hidden 16, its pooled output is the pooled projection) + the tiny CLIP tokenizer,
+#                             T5EncoderModel (T5 v1.1's gated-gelu, d_model 32) + the tiny T5 tokenizer, and
+#                             FLUX.1's FlowMatchEulerDiscreteScheduler (shift 3.0, resolution-dependent shifting)
+# --------------------------------------------------------------------------------------------------------------
+
+T5_MAX_LENGTH = 512                # FLUX.1-dev's T5 context (FluxPipeline's max_sequence_length default)
+TINY_FLUX_CLIP_HIDDEN = 16         # pooled_projection_dim (CLIP-L's 768)
+TINY_FLUX_T5_HIDDEN = 32           # joint_attention_dim (T5-XXL's 4096)
+TINY_FLUX_LATENT_CHANNELS = 16     # FLUX's VAE; the transformer sees 4 * 16 = 64 channels per packed 2x2 patch
+TINY_FLUX_HEADS, TINY_FLUX_HEAD_DIM = 2, 16
+TINY_FLUX_AXES_DIMS_ROPE = (4, 6, 6)  # sums to the head dim, as (16, 56, 56) sums to 128
+TINY_FLUX_SCHEDULER = {"num_train_timesteps": 1000, "shift": 3.0, "use_dynamic_shifting": True, "base_shift": 0.5,
+                       "max_shift": 1.15, "base_image_seq_len": 256, "max_image_seq_len": 4096}  # FLUX.1's
+
+_T5_SPECIALS = ("<pad>", "</s>", "<unk>")  # ids 0, 1, 2, as in T5's SentencePiece model
+_T5_WORDS = ("a", "an", "the", "of", "and", "in", "on", "with", "photo", "picture", "cat", "dog")
+
+
+def tiny_t5_vocab() -> list[tuple[str, float]]:
+    """(piece, log-probability) pairs: the specials, "▁", a few whole words, then "▁" + every printable ASCII
+    character and every character alone; longer pieces score higher, so known words stay whole."""
+    import string
+
+    chars = string.ascii_lowercase + string.ascii_uppercase + string.digits + string.punctuation
+    pieces = {t: 0.0 for t in _T5_SPECIALS}
+    pieces["▁"] = -2.0
+    pieces.update({"▁" + w: -1.0 for w in _T5_WORDS})
+    for prefix, score in (("▁", -3.0), ("", -4.0)):
+        for c in chars:
+            pieces.setdefault(prefix + c, score)  # "▁a" is already a word
+    return list(pieces.items())
+
+
+def save_tiny_t5_tokenizer(path: str | Path) -> Path:
+    """Write a T5 tokenizer (tokenizer.json + tokenizer_config.json) to `path`; `T5TokenizerFast`, `T5Tokenizer`
+    and `AutoTokenizer.from_pretrained(path)` load it. The backend is built exactly as transformers' T5Tokenizer
+    builds its own (Unigram, unk id 2, whitespace split + Metaspace "▁" with a prefix space, "</s>" appended), so it
+    round-trips unchanged. Text of printable ASCII tokenises without unknowns; `model_max_length` is 512."""
+    from tokenizers import Tokenizer, decoders, pre_tokenizers
+    from tokenizers.models import Unigram
+    from transformers import AutoTokenizer, T5TokenizerFast
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    backend = Tokenizer(Unigram(tiny_t5_vocab(), unk_id=2, byte_fallback=False))
+    backend.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.WhitespaceSplit(), pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="always")])
+    backend.decoder = decoders.Metaspace(replacement="▁", prepend_scheme="always")
+    tok = T5TokenizerFast(tokenizer_object=backend, pad_token="<pad>", eos_token="</s>", unk_token="<unk>",
+                          extra_ids=0, model_max_length=T5_MAX_LENGTH)
+    tok.save_pretrained(path)
+    loaded = AutoTokenizer.from_pretrained(path)  # fail here, not in a test far away, if the files do not load
+    ids = loaded("a photo of a cat").input_ids
+    if loaded.unk_token_id in ids or ids[-1] != loaded.eos_token_id or len(loaded) != len(tok):
+        raise RuntimeError(f"tiny T5 tokenizer did not round-trip: {ids}, {len(loaded)} vs {len(tok)}")
+    return path
+
+
+def save_tiny_flux_pipeline(path: str | Path, seed: int = 0, sample_size: int = 8,
+                            guidance_embeds: bool = True) -> Path:
+    """Write a random tiny `FluxPipeline` (FLUX.1's layout; guidance_embeds=True as FLUX.1-dev, False as schnell)
+    to `path`; `DiffusionPipeline.from_pretrained(path)` and `FluxTransformer2DModel.from_pretrained(path,
+    subfolder="transformer")` etc. load it.
+
+    For H x W images the latents are 16 x H/2 x W/2, packed into (H/4 * W/4) tokens of 64 features (16x16
+    images: [1, 16, 8, 8] -> [1, 16, 64]); `sample_size` is only the VAE's config (FluxPipeline's default image
+    size is fixed at 128 * vae_scale_factor = 256 pixels, so pass height and width). encode_prompt(prompt,
+    max_sequence_length=L) gives T5 states [batch, L, 32], CLIP pooled output [batch, 16] and text_ids [L, 3]."""
+    from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
+    from transformers import CLIPTextConfig, CLIPTextModel, CLIPTokenizer, T5Config, T5EncoderModel, T5TokenizerFast
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    tokenizer = CLIPTokenizer.from_pretrained(save_tiny_clip_tokenizer(path / "tokenizer"))
+    tokenizer_2 = T5TokenizerFast.from_pretrained(save_tiny_t5_tokenizer(path / "tokenizer_2"))
+    torch.manual_seed(seed)
+    transformer = FluxTransformer2DModel(
+        patch_size=1, in_channels=4 * TINY_FLUX_LATENT_CHANNELS, out_channels=None, num_layers=1, num_single_layers=1,
+        attention_head_dim=TINY_FLUX_HEAD_DIM, num_attention_heads=TINY_FLUX_HEADS,
+        joint_attention_dim=TINY_FLUX_T5_HIDDEN, pooled_projection_dim=TINY_FLUX_CLIP_HIDDEN,
+        guidance_embeds=guidance_embeds, axes_dims_rope=TINY_FLUX_AXES_DIMS_ROPE).eval()
+    torch.manual_seed(seed + 1)
+    vae = _tiny_vae(TINY_FLUX_LATENT_CHANNELS, 2 * sample_size, scaling_factor=0.3611, shift_factor=0.1159,
+                    use_quant_conv=False, use_post_quant_conv=False)
+    torch.manual_seed(seed + 2)
+    text_encoder = CLIPTextModel(CLIPTextConfig(**_tiny_clip_text_kwargs(TINY_FLUX_CLIP_HIDDEN))).eval()
+    torch.manual_seed(seed + 3)
+    t5_config = T5Config(vocab_size=len(tokenizer_2), d_model=TINY_FLUX_T5_HIDDEN, d_kv=8, d_ff=64, num_layers=2,
+                         num_decoder_layers=2, num_heads=2, feed_forward_proj="gated-gelu", tie_word_embeddings=False,
+                         pad_token_id=tokenizer_2.pad_token_id, eos_token_id=tokenizer_2.eos_token_id,
+                         decoder_start_token_id=tokenizer_2.pad_token_id)
+    text_encoder_2 = T5EncoderModel(t5_config).eval()
+    scheduler = FlowMatchEulerDiscreteScheduler(**TINY_FLUX_SCHEDULER)
+    pipe = FluxPipeline(scheduler=scheduler, vae=vae, text_encoder=text_encoder, tokenizer=tokenizer,
+                        text_encoder_2=text_encoder_2, tokenizer_2=tokenizer_2, transformer=transformer)
+    pipe.save_pretrained(path)
+    return path

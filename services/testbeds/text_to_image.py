@@ -87,10 +87,13 @@ class TextToImageTestbed(Testbed):
         from rollout.flow_sde import FlowSDESampler
 
         family, sched, kind = self.info.family, self.info.scheduler, self.cfg.sampler.kind
-        wants = "flow_sde" if family == "sd3" else "ddim"
+        wants = "flow_sde" if family in ("sd3", "flux") else "ddim"
         if kind != wants:
             raise ValueError(f"sampler.kind={kind!r} does not fit {self.t2i.pretrained!r} (a {family} model): "
                              f"use sampler.kind={wants}")
+        if family == "flux":  # FLUX's grid: linspace(1, 1/N, N), shifted by mu(image size) when dynamic
+            return FlowSDESampler(self.cfg.sampler, SchedulerConfig(num_train_timesteps=sched["num_train_timesteps"]),
+                                  model_scheduler=sched, image_seq_len=self.info.image_seq_len(self.t2i.resolution))
         if family == "sd3":
             shift = float(sched.get("shift", 1.0))
             if abs(self.cfg.sampler.shift - shift) > 1e-9:
@@ -142,7 +145,8 @@ class TextToImageTestbed(Testbed):
         if self._tools is None:
             from rollout.diffusers_pipelines import PipelineTools
 
-            self._tools = PipelineTools(self.info, policy.net, self.t2i.dtype, self.t2i.resolution)
+            self._tools = PipelineTools(self.info, policy.net, self.t2i.dtype, self.t2i.resolution,
+                                        self.t2i.max_sequence_length)
         return self._tools
 
     def sample_options(self, policy: nn.Module, prompts: Tensor) -> dict[str, Any]:
