@@ -136,6 +136,10 @@ class AdapterReference(nn.Module):
         for k, v in self.state.items():
             v.copy_(state[k])
 
+    def _apply(self, fn, recurse: bool = True):  # `.to(device)` moves the reference adapters with it
+        self.state = {k: fn(v) for k, v in self.state.items()}
+        return self
+
     @torch.no_grad()
     def forward(self, x: Tensor, t: Tensor, cond: Cond) -> Tensor:
         """The policy's network called with the reference adapters in place of its own (`functional_call`:

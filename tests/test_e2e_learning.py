@@ -25,13 +25,14 @@ def smoke_run(ray_cluster, serve_port, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def flow_run(ray_cluster, serve_port, tmp_path_factory):
-    """The rectified-flow preset, cut to the smoke budget."""
+    """The rectified-flow preset, cut to 20 steps of 8 images per class (in-process, seed 0: gold accuracy
+    69% -> 79%, proxy reward 0.80 -> 0.90 over the last 5 steps)."""
     run_dir = tmp_path_factory.mktemp("flow") / "run"
     result = train(CONFIG_DIR / "digits-flow-grpo.yaml",
-                   [f"run.run_dir={run_dir}", "run.steps=30", "run.eval_every=30", "run.checkpoint_every=30",
+                   [f"run.run_dir={run_dir}", "run.steps=20", "run.eval_every=20", "run.checkpoint_every=20",
                     "run.eval_samples_per_class=30", "run.progress=false", "serve.port=0",
-                    "sampler.samples_per_class=8"])  # in-process, seed 0: gold 69% -> 80%, in ~60% of the time
-    assert not result.interrupted and result.steps_done == 30
+                    "sampler.samples_per_class=8"])
+    assert not result.interrupted and result.steps_done == 20
     return result
 
 
