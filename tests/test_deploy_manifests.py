@@ -1,8 +1,10 @@
 """Schema checks for the KubeRay manifests in deploy/.
 
 Every document in deploy/*.yaml is validated against the openAPIV3Schema of the
-KubeRay CRD (../shared/kuberay-crds/, KubeRay v1.7) chosen by its kind and
-apiVersion. No cluster and no Docker engine is needed.
+KubeRay v1.7 CRD chosen by its kind and apiVersion, vendored in deploy/crds/ as
+structural schemas (deploy/crds/generate.py writes them from the CRD files; a test
+checks them against ../shared/kuberay-crds/ where that folder exists). No cluster
+and no Docker engine is needed.
 
 The check follows what the API server does with `kubectl apply` (strict field
 validation, the kubectl default since Kubernetes 1.27): besides types, enums and
@@ -15,6 +17,8 @@ from __future__ import annotations
 
 import copy
 import functools
+import importlib.util
+import json
 import shlex
 from pathlib import Path
 
@@ -25,12 +29,9 @@ import yaml
 
 REPO = Path(__file__).resolve().parents[1]
 DEPLOY = REPO / "deploy"
-CRD_DIR = Path(__file__).resolve().parents[2] / "shared" / "kuberay-crds"
-CRD_FILES = {
-    "RayJob": "ray.io_rayjobs.yaml",
-    "RayCluster": "ray.io_rayclusters.yaml",
-    "RayService": "ray.io_rayservices.yaml",
-}
+CRD_DIR = Path(__file__).resolve().parents[2] / "shared" / "kuberay-crds"  # the CRDs the vendored schemas come from
+VENDORED = DEPLOY / "crds"
+KINDS = ("RayJob", "RayCluster", "RayService")
 DIGITS_JOB = DEPLOY / "rayjob-digits.yaml"
 
 Loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)  # the CRD files are ~1 MB each
@@ -71,25 +72,21 @@ def _strict(node):
 
 @functools.lru_cache(maxsize=None)
 def _crd(kind: str) -> dict:
-    if not CRD_DIR.is_dir():
-        pytest.skip(f"KubeRay CRDs not found at {CRD_DIR}; manifest schemas not checked")
-    assert kind in CRD_FILES, (
-        f"no KubeRay CRD known for kind {kind!r}; deploy/ manifests must be one of {sorted(CRD_FILES)}"
-    )
-    with (CRD_DIR / CRD_FILES[kind]).open() as f:
-        return yaml.load(f, Loader=Loader)
+    """The vendored structural schema of `kind` (deploy/crds/<kind>.schema.json)."""
+    assert kind in KINDS, f"no KubeRay CRD known for kind {kind!r}; deploy/ manifests must be one of {sorted(KINDS)}"
+    return json.loads((VENDORED / f"{kind.lower()}.schema.json").read_text())
 
 
 @functools.lru_cache(maxsize=None)
 def _validator(kind: str, api_version: str):
     crd = _crd(kind)
     group, _, version = api_version.partition("/")
-    assert crd["spec"]["names"]["kind"] == kind
-    assert group == crd["spec"]["group"], f"apiVersion {api_version!r}: group is not {crd['spec']['group']!r}"
-    versions = {v["name"]: v for v in crd["spec"]["versions"]}
+    assert crd["kind"] == kind
+    assert group == crd["group"], f"apiVersion {api_version!r}: group is not {crd['group']!r}"
+    versions = crd["versions"]
     assert version in versions, f"apiVersion {api_version!r}: CRD {kind} serves {sorted(versions)}"
-    assert versions[version].get("served", False), f"{kind} {version} is not served"
-    schema = _strict(versions[version]["schema"]["openAPIV3Schema"])
+    assert versions[version]["served"], f"{kind} {version} is not served"
+    schema = _strict(versions[version]["openAPIV3Schema"])
     cls = jsonschema.Draft7Validator
     cls.check_schema(schema)
     return cls(schema)
@@ -171,3 +168,31 @@ def test_rayjob_runtime_env_is_offline(name, doc):
     assert isinstance(runtime_env, dict), f"{name}: runtimeEnvYAML is not a mapping"
     # Ray wants env var values as strings: "1", not 1.
     assert runtime_env.get("env_vars", {}).get("HF_HUB_OFFLINE") == "1", name
+
+
+def _generator():
+    spec = importlib.util.spec_from_file_location("generate_crds", VENDORED / "generate.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_vendored_schemas_are_the_generators_output_of_the_crds(kind):
+    """Regenerating from the KubeRay CRDs gives the committed file byte for byte (the CRD folder sits next to
+    the project's own checkout; a user's clone has only the vendored files, which every other test uses)."""
+    if not CRD_DIR.is_dir():
+        pytest.skip(f"the KubeRay CRD files are not at {CRD_DIR}: only their vendored schemas are here")
+    gen = _generator()
+    with (CRD_DIR / gen.CRD_FILES[kind]).open() as f:
+        crd = yaml.load(f, Loader=Loader)
+    assert gen.render(gen.vendored(crd, gen.CRD_FILES[kind])) == gen.schema_path(kind).read_text()
+
+
+def test_stripping_descriptions_keeps_a_field_named_description():
+    gen = _generator()
+    node = {"type": "object", "description": "drop me",
+            "properties": {"description": {"type": "string", "description": "the field's text"}},
+            "items": {"description": "x", "type": "string"}, "anyOf": [{"description": "y", "type": "integer"}]}
+    assert gen.structural(node) == {"type": "object", "properties": {"description": {"type": "string"}},
+                                    "items": {"type": "string"}, "anyOf": [{"type": "integer"}]}
