@@ -13,6 +13,7 @@ Embeddings are L2-normalised and returned in float32:
 """
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any, Iterator, Literal, Sequence
 
@@ -139,6 +140,10 @@ class ClipBackbone:
                                     attention_mask=tok["attention_mask"].to(self.device))
         return F.normalize(self.model.text_projection(out.pooler_output).float(), dim=-1)
 
+    def cosine(self, samples: Tensor, prompts: list[str]) -> Tensor:
+        """cos(image embedding, prompt embedding) per pair [B] (the embeddings are unit-norm)."""
+        return (self.image_embeds(samples) * self.text_embeds(prompts)).sum(dim=-1)
+
 
 def load_clip(model: str, processor: str | None = None, device: str = "cpu", dtype: DType = "float32",
               processor_field: str = "processor") -> ClipBackbone:
@@ -164,7 +169,7 @@ def load_clip(model: str, processor: str | None = None, device: str = "cpu", dty
                         dtype=DTYPES[dtype])
 
 
-class ClipReward:
+class ClipReward(ABC):
     """Shared `score`/`features` for rewards on a CLIP backbone: checks the prompts, scores in chunks of
     `max_batch` images without gradients, and returns float32 [B] on CPU. Subclasses define `_score`."""
 
@@ -175,8 +180,9 @@ class ClipReward:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
         self.clip, self.name, self.max_batch = clip, name, max_batch
 
+    @abstractmethod
     def _score(self, samples: Tensor, prompts: list[str]) -> Tensor:
-        raise NotImplementedError
+        """Scores [b] of one chunk of images and their prompts (no gradients)."""
 
     def score(self, samples: Tensor, cond: Sequence[str]) -> Tensor:
         """Scores [B] (float32, CPU) of images [B,3,H,W] in [-1, 1] for their B prompts; higher is better."""

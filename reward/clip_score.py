@@ -30,5 +30,4 @@ class ClipScoreReward(ClipReward):
         return cls(clip, name=spec.name, scale=spec.scale, max_batch=spec.max_batch)
 
     def _score(self, samples: Tensor, prompts: list[str]) -> Tensor:
-        cos = (self.clip.image_embeds(samples) * self.clip.text_embeds(prompts)).sum(dim=-1)
-        return self.scale * cos
+        return self.scale * self.clip.cosine(samples, prompts)

@@ -30,5 +30,4 @@ class PreferenceReward(ClipReward):
         return cls(clip, name=spec.name, max_batch=spec.max_batch)
 
     def _score(self, samples: Tensor, prompts: list[str]) -> Tensor:
-        cos = (self.clip.image_embeds(samples) * self.clip.text_embeds(prompts)).sum(dim=-1)
-        return self.clip.model.logit_scale.float().exp() * cos
+        return self.clip.model.logit_scale.float().exp() * self.clip.cosine(samples, prompts)

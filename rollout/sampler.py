@@ -130,16 +130,17 @@ class GaussianStepSampler(ABC):
         model_cond: Cond = {k: v.to(device) for k, v in per_sample.items()} if per_sample else cond.to(device)
         B, T = len(cond), len(self.timesteps)
         x = torch.randn((B, *sample_shape), generator=generator, dtype=dtype).to(device)
-        traj, logps = [x.cpu()], []
+        traj, logps = [x], []
         for k in range(T):
             dist = self.step_distribution(policy, x, torch.full((B,), k, dtype=torch.long), model_cond)
             stochastic = bool(self.trainable[k])
             noise = torch.randn(x.shape, generator=generator, dtype=dtype).to(device) if stochastic else None
             x = self._advance(dist, k, noise)
-            logps.append(dist.log_prob(x, self.reduce).cpu() if stochastic else torch.zeros(B, dtype=dtype))
-            traj.append(x.cpu())
-        return RolloutBatch(cond=cond, group=group, samples=traj[-1], traj=torch.stack(traj, dim=1),
-                            old_logp=torch.stack(logps, dim=1), timesteps=self.timesteps.clone(),
+            logps.append(dist.log_prob(x, self.reduce) if stochastic else torch.zeros(B, dtype=dtype, device=device))
+            traj.append(x)
+        traj_cpu = torch.stack(traj, dim=1).cpu()  # one device -> host copy per rollout, not one per step
+        return RolloutBatch(cond=cond, group=group, samples=traj_cpu[:, -1].clone(), traj=traj_cpu,
+                            old_logp=torch.stack(logps, dim=1).cpu(), timesteps=self.timesteps.clone(),
                             trainable=self.trainable.clone(),
                             extras=cond_extras({k: v.cpu() for k, v in per_sample.items()}))
 

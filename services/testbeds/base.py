@@ -97,19 +97,26 @@ class Testbed(ABC):
         """Scalars of one rollout batch (sample-weighted across workers by the controller)."""
         from reward.diversity import nearest_neighbour_distance
 
-        gold = self.gold_name
+        gold_score, gold_headline = self.held_out(scores)
         out = {
             "reward/train_mean": float(scores.reward.mean()),
             "reward/ensemble_mean": float(scores.mean.mean()),
             "reward/ensemble_std": float(scores.std.mean()),
             "reward/uncertainty_mean": float(scores.uncertainty.mean()),
-            "reward/gold_mean": float(scores.monitors[gold].mean()),
-            "reward/gold_accuracy": float(scores.monitors[f"{gold}_correct"].mean()),
-            "diversity/nn_distance": float(nearest_neighbour_distance(scores.features, batch.group).mean()),
+            "reward/gold_mean": float(gold_score.mean()),
+            "reward/gold_accuracy": float(gold_headline.mean()),
+            "diversity/nn_distance": (0.0 if scores.features is None else
+                                      float(nearest_neighbour_distance(scores.features, batch.group).mean())),
         }
         for name, col in zip(scores.names, scores.scores.T):
             out[f"reward/{name}"] = float(col.mean())
         return out
+
+    def held_out(self, scores: EnsembleScores) -> tuple[Tensor, Tensor]:
+        """(the gold monitor's score, its headline per sample): the gold classifier's or verifier's score and
+        its 0/1 correctness (`<gold>_correct`)."""
+        gold = self.gold_name
+        return scores.monitors[gold], scores.monitors[f"{gold}_correct"]
 
     def headline(self, value: float, breakdown: bool = False) -> str:
         """The held-out figure as text (an accuracy as a percentage; a reward score as a number)."""
