@@ -79,13 +79,13 @@ sys.path.insert(0, str(ROOT))
 
 import torch
 
-from rollout.arith import SPECIALS, TOKENIZER
-from rollout.batch import RolloutBatch
-from rollout.config import MaskedDiffusionSamplerConfig
-from rollout.likelihood import draw_masks
-from rollout.masked_diffusion import MaskedDiffusionSampler
-from rollout.masked_lm import MaskedLMConfig, build_masked_lm
-from trainer.objectives.bgpo import bgpo_bound
+from steadyrl.rollout.arith import SPECIALS, TOKENIZER
+from steadyrl.rollout.batch import RolloutBatch
+from steadyrl.rollout.config import MaskedDiffusionSamplerConfig
+from steadyrl.rollout.likelihood import draw_masks
+from steadyrl.rollout.masked_diffusion import MaskedDiffusionSampler
+from steadyrl.rollout.masked_lm import MaskedLMConfig, build_masked_lm
+from steadyrl.trainer.objectives.bgpo import bgpo_bound
 
 FORMS = ("naive", "two_pass", "bgpo")
 LABELS = {"naive": "(i) naive single graph", "two_pass": "(ii) exact, two passes", "bgpo": "(iii) BGPO bound"}

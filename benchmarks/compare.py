@@ -27,7 +27,7 @@ def preset(method: str) -> Path:
 def one_run(label: str, method: str, seed: int, overrides: list[str], port: int, eval_every: int) -> dict[str, Any]:
     """One (variant, seed) run in this process; `label` names the variant in tables and plots."""
     from benchmarks.inprocess import run_in_process
-    from services.config import load_config
+    from steadyrl.services.config import load_config
 
     cfg = load_config(preset(method), [f"run.seed={seed}", *overrides])
     t0 = time.perf_counter()
@@ -38,7 +38,7 @@ def one_run(label: str, method: str, seed: int, overrides: list[str], port: int,
 
 def run_all(variants: list[tuple[str, str, list[str]]], seeds: list[int], jobs: int, eval_every: int) -> list[dict[str, Any]]:
     """Every (label, method, overrides) variant for every seed, `jobs` processes at a time."""
-    from services.runtime import free_port
+    from steadyrl.services.runtime import free_port
 
     todo = [(label, method, seed, overrides) for seed in seeds for label, method, overrides in variants]
     t0 = time.perf_counter()

@@ -37,9 +37,9 @@ ESTIMATORS = ("one_step", "elbo", "coupled")
 def measure(n_values: list[int], draws: int, prompts: int, per_prompt: int, seed: int) -> dict:
     from safetensors.torch import load_file
 
-    from rollout.likelihood import draw_masks, estimate
-    from services.config import load_config
-    from services.testbeds import build_testbed
+    from steadyrl.rollout.likelihood import draw_masks, estimate
+    from steadyrl.services.config import load_config
+    from steadyrl.services.testbeds import build_testbed
 
     cfg = load_config(ROOT / "configs" / "arith-grpo.yaml")
     testbed = build_testbed(cfg)

@@ -45,8 +45,8 @@ def tiny_overrides(family: str, root: Path) -> list[str]:
 
 def check(config: str | None, overrides: list[str], steps: int) -> dict[str, Any]:
     from benchmarks.inprocess import run_in_process
-    from services.config import load_config
-    from services.runtime import free_port
+    from steadyrl.services.config import load_config
+    from steadyrl.services.runtime import free_port
 
     gpu = torch.cuda.is_available()
     devices = [] if gpu else ["ray.rollout_gpus=0", "ray.learner_gpus=0", "learner.backend=gloo"]

@@ -61,7 +61,7 @@ def main() -> None:
     overrides = [*PROXIES[args.proxy], f"run.steps={args.steps}", f"sampler.samples_per_class={args.samples_per_class}",
                  f"run.eval_samples_per_class={args.eval_samples_per_class}", *args.set]
     from benchmarks.inprocess import warm_caches
-    from services.config import load_config
+    from steadyrl.services.config import load_config
 
     warm_caches(load_config(preset(args.methods[0]), overrides))  # build cached models once, not per process
     t0 = time.perf_counter()

@@ -19,14 +19,14 @@ from typing import Any
 import torch
 from safetensors.torch import load_file
 
-from reward.diversity import mean_pairwise_distance
-from reward.ensemble import attach_scores
-from rollout.policy import load_trainable_state
-from services.actors import step_seed
-from services.builders import build_learner
-from services.config import TrainConfig
-from services.runtime import set_rank_env
-from services.testbeds import build_testbed
+from steadyrl.reward.diversity import mean_pairwise_distance
+from steadyrl.reward.ensemble import attach_scores
+from steadyrl.rollout.policy import load_trainable_state
+from steadyrl.services.actors import step_seed
+from steadyrl.services.builders import build_learner
+from steadyrl.services.config import TrainConfig
+from steadyrl.services.runtime import set_rank_env
+from steadyrl.services.testbeds import build_testbed
 
 RATIO_KEYS = ("policy/ratio_mean", "policy/ratio_std", "policy/ratio_max", "policy/clip_frac", "policy/grad_norm",
               "policy/kl_ref_monitor")

@@ -18,9 +18,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from rollout.lora import LoRAConfig, add_lora  # noqa: E402
-from rollout.policy import state_bytes  # noqa: E402
-from rollout.text_to_image import DEFAULT_LORA_TARGETS, TextToImagePolicy  # noqa: E402
+from steadyrl.rollout.lora import LoRAConfig, add_lora  # noqa: E402
+from steadyrl.rollout.policy import state_bytes  # noqa: E402
+from steadyrl.rollout.text_to_image import DEFAULT_LORA_TARGETS, TextToImagePolicy  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results" / "lora_sync_bytes.json"
 
@@ -59,7 +59,7 @@ def main() -> None:
                             torch.bfloat16))
         rows.append(measure("FLUX.1-dev (configs/flux-grpo.yaml)", FluxTransformer2DModel(**FLUX1_DEV_TRANSFORMER),
                             "flux", LoRAConfig(rank=32, alpha=64), torch.bfloat16))
-    from rollout.diffusers_pipelines import load_denoiser
+    from steadyrl.rollout.diffusers_pipelines import load_denoiser
     from tests.tiny_models import save_tiny_sd3_pipeline, save_tiny_sd_pipeline
 
     with tempfile.TemporaryDirectory() as tmp:

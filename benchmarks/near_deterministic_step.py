@@ -42,7 +42,7 @@ def main() -> None:
     common = [f"run.steps={args.steps}", f"sampler.samples_per_class={args.samples_per_class}",
               f"run.eval_samples_per_class={args.eval_samples_per_class}"]
     from benchmarks.inprocess import warm_caches
-    from services.config import load_config
+    from steadyrl.services.config import load_config
 
     warm_caches(load_config(preset("grpo"), common))
     t0 = time.perf_counter()

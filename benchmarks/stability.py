@@ -110,7 +110,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "stability")
     args = parser.parse_args()
     from benchmarks.inprocess import warm_caches
-    from services.config import load_config
+    from steadyrl.services.config import load_config
 
     warm_caches(load_config(ROOT / METHODS["grpo"]))
     common = [f"run.steps={args.steps}"]

@@ -16,10 +16,10 @@ import torch
 import torch.nn as nn
 from torch import Tensor
 
-from reward.clip_models import ClipBackbone, ClipReward, load_clip
+from steadyrl.reward.clip_models import ClipBackbone, ClipReward, load_clip
 
 if TYPE_CHECKING:
-    from reward.factory import AestheticSpec
+    from steadyrl.reward.factory import AestheticSpec
 
 
 class AestheticHead(nn.Module):

@@ -17,9 +17,9 @@ from pydantic import Field
 from safetensors.torch import load_file, save_file
 from torch import Tensor
 
-from rollout.cache import build_dir_atomically, cache_root, config_key
-from rollout.config import StrictModel
-from rollout.digits import NUM_CLASSES, digit_splits, load_digits_tensors
+from steadyrl.rollout.cache import build_dir_atomically, cache_root, config_key
+from steadyrl.rollout.config import StrictModel
+from steadyrl.rollout.digits import NUM_CLASSES, digit_splits, load_digits_tensors
 
 Arch = Literal["cnn", "mlp", "linear", "wide_cnn"]
 

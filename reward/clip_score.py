@@ -11,10 +11,10 @@ from typing import TYPE_CHECKING
 
 from torch import Tensor
 
-from reward.clip_models import ClipBackbone, ClipReward, load_clip
+from steadyrl.reward.clip_models import ClipBackbone, ClipReward, load_clip
 
 if TYPE_CHECKING:
-    from reward.factory import ClipScoreSpec
+    from steadyrl.reward.factory import ClipScoreSpec
 
 
 class ClipScoreReward(ClipReward):

@@ -13,11 +13,11 @@ from rich.console import Console
 from rich.table import Table
 from torch import Tensor
 
-from reward.base import RewardModel
-from reward.classifiers import ClassifierSpec, DigitClassifierReward, load_classifier
-from reward.ensemble import RewardEnsemble
-from reward.factory import JpegSpec, RewardSpec, build_reward_model
-from rollout.config import StrictModel
+from steadyrl.reward.base import RewardModel
+from steadyrl.reward.classifiers import ClassifierSpec, DigitClassifierReward, load_classifier
+from steadyrl.reward.ensemble import RewardEnsemble
+from steadyrl.reward.factory import JpegSpec, RewardSpec, build_reward_model
+from steadyrl.rollout.config import StrictModel
 
 
 def _default_members() -> list[ClassifierSpec]:

@@ -13,8 +13,8 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
-from reward.base import RewardModel, check_scores
-from rollout.batch import RolloutBatch
+from steadyrl.reward.base import RewardModel, check_scores
+from steadyrl.rollout.batch import RolloutBatch
 
 
 @dataclass

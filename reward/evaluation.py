@@ -5,8 +5,8 @@ from typing import Any
 
 from torch import Tensor
 
-from reward.diversity import mean_pairwise_distance, nearest_neighbour_distance
-from reward.ensemble import EnsembleScores
+from steadyrl.reward.diversity import mean_pairwise_distance, nearest_neighbour_distance
+from steadyrl.reward.ensemble import EnsembleScores
 
 
 def eval_summary(cond: Tensor, group: Tensor, scores: EnsembleScores, gold_name: str,

@@ -20,11 +20,11 @@ from typing import Annotated, Any, Literal, Union
 
 from pydantic import Discriminator, Field, Tag, TypeAdapter
 
-from reward.base import RewardModel
-from reward.classifiers import ClassifierSpec
-from reward.clip_models import DType
-from reward.verifiers import VerifierSpec
-from rollout.config import StrictModel
+from steadyrl.reward.base import RewardModel
+from steadyrl.reward.classifiers import ClassifierSpec
+from steadyrl.reward.clip_models import DType
+from steadyrl.reward.verifiers import VerifierSpec
+from steadyrl.rollout.config import StrictModel
 
 
 class JpegSpec(StrictModel):
@@ -104,27 +104,27 @@ def build_reward_model(spec: RewardSpec | dict[str, Any]) -> RewardModel:
     loaded from their hub id or directory)."""
     spec = parse_reward_spec(spec) if isinstance(spec, dict) else spec
     if isinstance(spec, ClassifierSpec):
-        from reward.classifiers import load_classifier
+        from steadyrl.reward.classifiers import load_classifier
 
         return load_classifier(spec)
     if isinstance(spec, JpegSpec):
-        from reward.jpeg import JpegCompressibilityReward
+        from steadyrl.reward.jpeg import JpegCompressibilityReward
 
         return JpegCompressibilityReward(quality=spec.quality, upscale=spec.upscale, name=spec.name)
     if isinstance(spec, VerifierSpec):
-        from reward.verifiers import VerifierReward
+        from steadyrl.reward.verifiers import VerifierReward
 
         return VerifierReward.from_spec(spec)
     if isinstance(spec, ClipScoreSpec):
-        from reward.clip_score import ClipScoreReward
+        from steadyrl.reward.clip_score import ClipScoreReward
 
         return ClipScoreReward.from_spec(spec)
     if isinstance(spec, AestheticSpec):
-        from reward.aesthetic import AestheticReward
+        from steadyrl.reward.aesthetic import AestheticReward
 
         return AestheticReward.from_spec(spec)
     if isinstance(spec, PreferenceSpec):
-        from reward.preference import PreferenceReward
+        from steadyrl.reward.preference import PreferenceReward
 
         return PreferenceReward.from_spec(spec)
     raise ValueError(f"unknown reward model spec {spec!r}")

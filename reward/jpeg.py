@@ -8,7 +8,7 @@ import torch
 from PIL import Image
 from torch import Tensor
 
-from rollout.digits import to_unit_range
+from steadyrl.rollout.digits import to_unit_range
 
 
 class JpegCompressibilityReward:

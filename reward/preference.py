@@ -12,10 +12,10 @@ from typing import TYPE_CHECKING
 
 from torch import Tensor
 
-from reward.clip_models import ClipBackbone, ClipReward, load_clip
+from steadyrl.reward.clip_models import ClipBackbone, ClipReward, load_clip
 
 if TYPE_CHECKING:
-    from reward.factory import PreferenceSpec
+    from steadyrl.reward.factory import PreferenceSpec
 
 
 class PreferenceReward(ClipReward):

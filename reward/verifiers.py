@@ -18,9 +18,9 @@ import torch
 from pydantic import Field
 from torch import Tensor
 
-from rollout.arith import TOKENIZER, Task, parse_sudoku_prompt, sudoku_units_ok
-from rollout.config import StrictModel
-from rollout.text_codec import TextCodec, load_codec
+from steadyrl.rollout.arith import TOKENIZER, Task, parse_sudoku_prompt, sudoku_units_ok
+from steadyrl.rollout.config import StrictModel
+from steadyrl.rollout.text_codec import TextCodec, load_codec
 
 FEATURE_BUCKETS = 1024
 

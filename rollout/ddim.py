@@ -14,9 +14,9 @@ import torch
 from diffusers import DDIMScheduler
 from torch import Tensor
 
-from rollout.config import DDIMSamplerConfig
-from rollout.policy import Cond
-from rollout.sampler import ConditionalModel, GaussianStepSampler, StepDistribution, gaussian_logp
+from steadyrl.rollout.config import DDIMSamplerConfig
+from steadyrl.rollout.policy import Cond
+from steadyrl.rollout.sampler import ConditionalModel, GaussianStepSampler, StepDistribution, gaussian_logp
 
 __all__ = ["DDIMLogProbSampler", "gaussian_logp"]
 

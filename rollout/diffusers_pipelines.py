@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from rollout.text_to_image import Family
+from steadyrl.rollout.text_to_image import Family
 
 PIPELINE_FAMILIES: dict[str, Family] = {
     "StableDiffusionPipeline": "sd",

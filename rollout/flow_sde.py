@@ -24,9 +24,9 @@ import torch
 from diffusers import FlowMatchEulerDiscreteScheduler
 from torch import Tensor
 
-from rollout.config import FlowSDESamplerConfig, SchedulerConfig
-from rollout.policy import Cond
-from rollout.sampler import ConditionalModel, GaussianStepSampler, StepDistribution
+from steadyrl.rollout.config import FlowSDESamplerConfig, SchedulerConfig
+from steadyrl.rollout.policy import Cond
+from steadyrl.rollout.sampler import ConditionalModel, GaussianStepSampler, StepDistribution
 
 __all__ = ["FlowSDESampler", "flow_sigmas", "flow_noise_level"]
 

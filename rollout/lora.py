@@ -11,8 +11,8 @@ from __future__ import annotations
 import torch
 from pydantic import Field
 
-from rollout.config import StrictModel
-from rollout.policy import Policy
+from steadyrl.rollout.config import StrictModel
+from steadyrl.rollout.policy import Policy
 
 
 class LoRAConfig(StrictModel):

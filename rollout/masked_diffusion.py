@@ -23,10 +23,10 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from rollout.batch import RolloutBatch
-from rollout.config import MaskedDiffusionSamplerConfig
-from rollout.likelihood import draw_masks, estimate
-from rollout.sampler import StepLogProb
+from steadyrl.rollout.batch import RolloutBatch
+from steadyrl.rollout.config import MaskedDiffusionSamplerConfig
+from steadyrl.rollout.likelihood import draw_masks, estimate
+from steadyrl.rollout.sampler import StepLogProb
 
 
 def transfer_schedule(masked: int, steps: int) -> list[int]:

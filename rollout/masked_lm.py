@@ -11,7 +11,7 @@ import torch
 from pydantic import Field
 from torch import Tensor, nn
 
-from rollout.config import StrictModel
+from steadyrl.rollout.config import StrictModel
 
 
 class MaskedLM(Protocol):

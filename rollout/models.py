@@ -7,8 +7,8 @@ import torch
 from diffusers import DDIMScheduler, UNet2DModel
 from safetensors.torch import save_file
 
-from rollout.config import SchedulerConfig, UNetConfig
-from rollout.policy import ClassConditionalPolicy
+from steadyrl.rollout.config import SchedulerConfig, UNetConfig
+from steadyrl.rollout.policy import ClassConditionalPolicy
 
 
 def build_unet(cfg: UNetConfig) -> UNet2DModel:

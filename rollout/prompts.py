@@ -26,7 +26,7 @@ import torch
 from pydantic import Field, field_validator
 from torch import Tensor
 
-from rollout.config import StrictModel
+from steadyrl.rollout.config import StrictModel
 
 PROMPT_SETS_DIR = Path(__file__).resolve().parent / "prompt_sets"
 SUFFIXES = (".txt", ".jsonl")

@@ -22,8 +22,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from rollout.batch import RolloutBatch, cond_extras
-from rollout.policy import Cond, module_device
+from steadyrl.rollout.batch import RolloutBatch, cond_extras
+from steadyrl.rollout.policy import Cond, module_device
 
 ConditionalModel = nn.Module  # a `rollout.policy.Policy`, or a DeepSpeed engine wrapping one
 

@@ -1,23 +1,23 @@
 """Build a sampler from its config's `kind` (the learner and the actors never name a concrete sampler)."""
 from __future__ import annotations
 
-from rollout.config import (DDIMSamplerConfig, FlowSDESamplerConfig, MaskedDiffusionSamplerConfig, SamplerBase,
+from steadyrl.rollout.config import (DDIMSamplerConfig, FlowSDESamplerConfig, MaskedDiffusionSamplerConfig, SamplerBase,
                             SchedulerConfig)
 
 
 def build_sampler(cfg: SamplerBase, scheduler: SchedulerConfig | None = None, mask_token_id: int | None = None):
     """DDIM (epsilon model), flow-SDE (velocity model) or masked diffusion (a masked LM), by `cfg.kind`."""
     if isinstance(cfg, DDIMSamplerConfig):
-        from rollout.ddim import DDIMLogProbSampler
-        from rollout.models import build_scheduler
+        from steadyrl.rollout.ddim import DDIMLogProbSampler
+        from steadyrl.rollout.models import build_scheduler
 
         return DDIMLogProbSampler(cfg, build_scheduler(scheduler or SchedulerConfig()))
     if isinstance(cfg, FlowSDESamplerConfig):
-        from rollout.flow_sde import FlowSDESampler
+        from steadyrl.rollout.flow_sde import FlowSDESampler
 
         return FlowSDESampler(cfg, scheduler or SchedulerConfig())
     if isinstance(cfg, MaskedDiffusionSamplerConfig):
-        from rollout.masked_diffusion import MaskedDiffusionSampler
+        from steadyrl.rollout.masked_diffusion import MaskedDiffusionSampler
 
         if mask_token_id is None:
             raise ValueError("sampler.kind='masked_diffusion' needs the model's mask token id")

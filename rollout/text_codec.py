@@ -57,7 +57,7 @@ class HFTokenizerCodec:
 def load_codec(tokenizer: str | None, trust_remote_code: bool = False, mask_token_id: int | None = None) -> TextCodec:
     """The arith character tokenizer (None), or a real model's tokenizer by hub id / local directory."""
     if tokenizer is None:
-        from rollout.arith import TOKENIZER
+        from steadyrl.rollout.arith import TOKENIZER
 
         return TOKENIZER
     return HFTokenizerCodec(tokenizer, trust_remote_code, mask_token_id)

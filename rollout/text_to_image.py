@@ -19,7 +19,7 @@ from typing import Literal
 import torch
 from torch import Tensor, nn
 
-from rollout.policy import Cond, Policy
+from steadyrl.rollout.policy import Cond, Policy
 
 Family = Literal["sd", "sdxl", "sd3", "flux"]
 

@@ -10,14 +10,14 @@ import ray
 import torch
 from ray import serve
 
-from reward.ensemble import attach_scores
-from rollout.batch import RolloutBatch
-from rollout.policy import load_trainable_state
-from services.builders import build_learner
-from services.config import TrainConfig
-from services.reward_app import APP_NAME
-from services.runtime import redirect_output, set_rank_env
-from services.testbeds import build_testbed
+from steadyrl.reward.ensemble import attach_scores
+from steadyrl.rollout.batch import RolloutBatch
+from steadyrl.rollout.policy import load_trainable_state
+from steadyrl.services.builders import build_learner
+from steadyrl.services.config import TrainConfig
+from steadyrl.services.reward_app import APP_NAME
+from steadyrl.services.runtime import redirect_output, set_rank_env
+from steadyrl.services.testbeds import build_testbed
 
 
 def _setup_process(cfg: TrainConfig, log_file: Path) -> None:

@@ -3,17 +3,17 @@ from __future__ import annotations
 
 from torch import nn
 
-from reward.config import differentiable_train_reward
-from rollout.samplers import build_sampler
-from services.config import TrainConfig
+from steadyrl.reward.config import differentiable_train_reward
+from steadyrl.rollout.samplers import build_sampler
+from steadyrl.services.config import TrainConfig
 
 
 def build_learner(cfg: TrainConfig, policy: nn.Module, sampler=None):
     """The DeepSpeed learner for `cfg` (its rank's environment must be set) with the testbed's sampler
     (default: an image sampler from `cfg.sampler`); reward back-propagation objectives get the training
     reward as a differentiable function."""
-    from trainer.learner import DeepSpeedLearner
-    from trainer.objectives import objective_class
+    from steadyrl.trainer.learner import DeepSpeedLearner
+    from steadyrl.trainer.objectives import objective_class
 
     backprop = objective_class(cfg.objective.name).mode == "reward_backprop"
     sampler = sampler if sampler is not None else build_sampler(cfg.sampler, cfg.scheduler)

@@ -11,7 +11,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from services.config import ConfigError, load_config
+from steadyrl.services.config import ConfigError, load_config
 
 for _k, _v in {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}.items():
     os.environ.setdefault(_k, _v)
@@ -48,7 +48,7 @@ def train(
     resume: Optional[Path] = typer.Option(None, help="continue the run in this folder from its latest checkpoint"),
 ) -> None:
     """Pretrain if needed, then RL through local Ray (rollout actor -> Serve rewards -> DeepSpeed learner)."""
-    from services.controller import train as run_train
+    from steadyrl.services.controller import train as run_train
 
     args = args or []
     if resume is not None:
@@ -70,7 +70,7 @@ def train(
 def pretrain(args: list[str] = typer.Argument(None, help="[CONFIG] key.sub=value ...")) -> None:
     """Build (or find cached) the testbed's pre-trained model and its reward models (digits: the
     classifier ensemble and gold monitor; arith: nothing to build, the verifier is exact)."""
-    from services.testbeds import build_testbed
+    from steadyrl.services.testbeds import build_testbed
 
     _, _, cfg = _load(args or [])
     testbed = build_testbed(cfg)
@@ -87,9 +87,9 @@ def serve_reward(
     """Start the reward-ensemble Serve application alone and serve it until Ctrl-C."""
     from ray import serve
 
-    from services.reward_app import ROUTE_PREFIX, deploy_reward_app
-    from services.runtime import init_ray, start_serve
-    from services.testbeds import build_testbed
+    from steadyrl.services.reward_app import ROUTE_PREFIX, deploy_reward_app
+    from steadyrl.services.runtime import init_ray, start_serve
+    from steadyrl.services.testbeds import build_testbed
 
     _, _, cfg = _load((args or []) + [f"serve.host={host}", f"serve.port={port}"])
     testbed = build_testbed(cfg)
@@ -118,7 +118,7 @@ def eval_cmd(
     seed: Optional[int] = typer.Option(None, help="default: the run's eval_seed"),
 ) -> None:
     """Score a checkpoint: held-out accuracy (per class / answer length), training reward, diversity, samples."""
-    from services.evaluate import evaluate_checkpoint
+    from steadyrl.services.evaluate import evaluate_checkpoint
 
     if not (run_dir / "config.yaml").exists():
         _fail(f"{run_dir} is not a run folder (no config.yaml)")
@@ -126,8 +126,8 @@ def eval_cmd(
         res = evaluate_checkpoint(run_dir, step, samples_per_class, seed)
     except FileNotFoundError as err:
         _fail(str(err))
-    from services.config import load_config
-    from services.testbeds import build_testbed
+    from steadyrl.services.config import load_config
+    from steadyrl.services.testbeds import build_testbed
 
     testbed = build_testbed(load_config(run_dir / "config.yaml"))
     table = Table(title=f"eval of {res['checkpoint']} ({res['n_samples']} samples)")

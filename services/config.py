@@ -8,15 +8,15 @@ import yaml
 
 from pydantic import Field, ValidationError, model_validator
 
-from reward.config import ImageRewardConfig, RewardConfig
-from rollout.config import DEFAULT_SAMPLER_KIND, DDIMSamplerConfig, SamplerConfig, SchedulerConfig, StrictModel, UNetConfig
-from rollout.lora import LoRAConfig
-from rollout.masked_lm import MaskedLMConfig
-from rollout.prompts import PromptsConfig
-from trainer.config import DEFAULT_OBJECTIVE, LearnerConfig, ObjectiveConfig
-from trainer.objectives.grpo import GRPOSettings
-from trainer.pretrain import PretrainConfig
-from trainer.pretrain_masked_lm import MaskedLMPretrainConfig
+from steadyrl.reward.config import ImageRewardConfig, RewardConfig
+from steadyrl.rollout.config import DEFAULT_SAMPLER_KIND, DDIMSamplerConfig, SamplerConfig, SchedulerConfig, StrictModel, UNetConfig
+from steadyrl.rollout.lora import LoRAConfig
+from steadyrl.rollout.masked_lm import MaskedLMConfig
+from steadyrl.rollout.prompts import PromptsConfig
+from steadyrl.trainer.config import DEFAULT_OBJECTIVE, LearnerConfig, ObjectiveConfig
+from steadyrl.trainer.objectives.grpo import GRPOSettings
+from steadyrl.trainer.pretrain import PretrainConfig
+from steadyrl.trainer.pretrain_masked_lm import MaskedLMPretrainConfig
 
 # the checkout's configs/ (editable install), else ./configs (a plain install run from the repo, as in the image)
 CONFIG_DIR = next((d for d in (Path(__file__).resolve().parent.parent / "configs", Path.cwd() / "configs")

@@ -21,13 +21,13 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 from safetensors.torch import load_file
 
-from rollout.cache import write_text_atomically
-from services.actors import LearnerActor, RolloutWorker
-from services.config import TrainConfig, dump_config, load_config
-from services.report import MetricsWriter, read_metrics, save_curves
-from services.reward_app import APP_NAME, ROUTE_PREFIX, deploy_reward_app
-from services.runtime import free_port, init_ray, start_serve
-from services.testbeds import build_testbed
+from steadyrl.rollout.cache import write_text_atomically
+from steadyrl.services.actors import LearnerActor, RolloutWorker
+from steadyrl.services.config import TrainConfig, dump_config, load_config
+from steadyrl.services.report import MetricsWriter, read_metrics, save_curves
+from steadyrl.services.reward_app import APP_NAME, ROUTE_PREFIX, deploy_reward_app
+from steadyrl.services.runtime import free_port, init_ray, start_serve
+from steadyrl.services.testbeds import build_testbed
 
 CHECKPOINTS = "checkpoints"
 
@@ -272,7 +272,7 @@ def summary_table(result: RunResult, labels: tuple[str, str] = ("proxy", "gold")
 
 def train(config: str | Path | None = None, overrides: list[str] | tuple[str, ...] = (),
           resume_dir: str | Path | None = None, console: Console | None = None) -> RunResult:
-    """Entry point shared by the CLI and `python -m services.job`."""
+    """Entry point shared by the CLI and `python -m steadyrl.services.job`."""
     if resume_dir is not None:
         run_dir = Path(resume_dir)
         cfg = load_config(run_dir / "config.yaml", overrides)

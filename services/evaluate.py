@@ -8,9 +8,9 @@ from typing import Any
 import torch
 from safetensors.torch import load_file
 
-from services.config import load_config
-from services.controller import CHECKPOINTS, latest_checkpoint
-from services.testbeds import build_testbed
+from steadyrl.services.config import load_config
+from steadyrl.services.controller import CHECKPOINTS, latest_checkpoint
+from steadyrl.services.testbeds import build_testbed
 
 
 def evaluate_checkpoint(run_dir: Path, step: int | None = None, n_per_prompt: int | None = None,

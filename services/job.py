@@ -1,4 +1,4 @@
-"""Job entrypoint for `ray job submit -- python -m services.job CONFIG key=value ...` and KubeRay RayJobs.
+"""Job entrypoint for `ray job submit -- python -m steadyrl.services.job CONFIG key=value ...` and KubeRay RayJobs.
 
 Inside a job, `ray.init()` joins the cluster through $RAY_ADDRESS; the loop is the same as on a laptop.
 """
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import sys
 
-from services.cli import app
+from steadyrl.services.cli import app
 
 
 def main(argv: list[str] | None = None) -> None:

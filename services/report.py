@@ -13,7 +13,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import torch  # noqa: E402
 from torch.utils.tensorboard import SummaryWriter  # noqa: E402
 
-from rollout.digits import to_unit_range  # noqa: E402
+from steadyrl.rollout.digits import to_unit_range  # noqa: E402
 
 
 class MetricsWriter:

@@ -26,13 +26,13 @@ from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema, field_validat
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
-from reward.base import check_scores
-from reward.config import FEATURE_KINDS, ImageRewardConfig, RewardConfig
-from reward.ensemble import EnsembleScores, combine_scores
-from reward.factory import build_reward_model, parse_reward_spec
-from reward.verifiers import VerifierReward, VerifierSpec
-from rollout.digits import IMAGE_SHAPE, NUM_CLASSES
-from services.config import ServeConfig
+from steadyrl.reward.base import check_scores
+from steadyrl.reward.config import FEATURE_KINDS, ImageRewardConfig, RewardConfig
+from steadyrl.reward.ensemble import EnsembleScores, combine_scores
+from steadyrl.reward.factory import build_reward_model, parse_reward_spec
+from steadyrl.reward.verifiers import VerifierReward, VerifierSpec
+from steadyrl.rollout.digits import IMAGE_SHAPE, NUM_CLASSES
+from steadyrl.services.config import ServeConfig
 
 APP_NAME = "reward"
 ROUTE_PREFIX = "/reward"

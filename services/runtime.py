@@ -1,6 +1,7 @@
 """Starting (or joining) Ray and Serve, and keeping actor logs in the run folder."""
 from __future__ import annotations
 
+import json
 import logging
 import os
 import socket
@@ -10,8 +11,8 @@ from pathlib import Path
 import ray
 from ray import serve
 
-from rollout.cache import cache_root, torch_extensions_dir
-from services.config import ServeConfig
+from steadyrl.rollout.cache import cache_root, torch_extensions_dir
+from steadyrl.services.config import ServeConfig
 
 OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
 
@@ -35,9 +36,17 @@ def worker_env() -> dict[str, str]:
     env["STEADYRL_CACHE"] = str(cache_root())
     env["TORCH_EXTENSIONS_DIR"] = str(torch_extensions_dir())
     env["DS_ACCELERATOR"] = os.environ.get("DS_ACCELERATOR", "cpu")
-    env["PYTHONPATH"] = os.pathsep.join(p for p in [str(Path(__file__).resolve().parents[1]),
-                                                    os.environ.get("PYTHONPATH", "")] if p)
     return env
+
+
+def job_env_vars() -> dict[str, str]:
+    """env_vars of the runtime env `ray job submit` (or a RayJob's runtimeEnvYAML) gave this driver.
+
+    Ray refuses to merge a driver's runtime env that sets any of the same keys, so ours leaves them out."""
+    raw = os.environ.get("RAY_JOB_CONFIG_JSON_ENV_VAR")
+    if not raw:
+        return {}
+    return dict((json.loads(raw).get("runtime_env") or {}).get("env_vars") or {})
 
 
 def init_ray(address: str | None = None, num_cpus: int | None = None) -> str:
@@ -58,7 +67,7 @@ def init_ray(address: str | None = None, num_cpus: int | None = None) -> str:
         include_dashboard=False,
         log_to_driver=False,
         logging_level=logging.WARNING,
-        runtime_env={"env_vars": worker_env()},
+        runtime_env={"env_vars": {k: v for k, v in worker_env().items() if k not in job_env_vars()}},
         configure_logging=True,
     )
     return "joined" if joining else "local"

@@ -31,7 +31,7 @@ def one_torch_thread():
 def ray_cluster():
     import ray
 
-    from services.runtime import init_ray
+    from steadyrl.services.runtime import init_ray
 
     started = init_ray(num_cpus=2) == "local"
     yield ray
@@ -41,8 +41,8 @@ def ray_cluster():
 
 @pytest.fixture(scope="session")
 def serve_port(ray_cluster) -> int:
-    from services.config import ServeConfig
-    from services.runtime import start_serve
+    from steadyrl.services.config import ServeConfig
+    from steadyrl.services.runtime import start_serve
 
     _, port = start_serve(ServeConfig(port=0))
     return port
@@ -53,8 +53,8 @@ def reward_url(serve_port) -> str:
     """Base URL of the reward ensemble app, (re)deployed if a run removed it."""
     from ray import serve
 
-    from reward.config import RewardConfig
-    from services.reward_app import APP_NAME, ROUTE_PREFIX, deploy_reward_app
+    from steadyrl.reward.config import RewardConfig
+    from steadyrl.services.reward_app import APP_NAME, ROUTE_PREFIX, deploy_reward_app
 
     apps = serve.status().applications
     if APP_NAME not in apps or apps[APP_NAME].status != "RUNNING":

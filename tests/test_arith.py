@@ -7,8 +7,8 @@ import random
 import pytest
 import torch
 
-from reward.verifiers import VerifierReward, verify_addition, verify_sudoku
-from rollout.arith import TOKENIZER, ArithTask, sudoku_solutions, sudoku_units_ok
+from steadyrl.reward.verifiers import VerifierReward, verify_addition, verify_sudoku
+from steadyrl.rollout.arith import TOKENIZER, ArithTask, sudoku_solutions, sudoku_units_ok
 
 
 def test_problems_are_a_pure_function_of_seed_and_index():
@@ -94,8 +94,8 @@ def test_verifier_features_measure_hamming_distance():
 def test_the_sudoku_task_pretrains_samples_and_trains_in_process():
     """The harder task end to end in one process (a short pre-training: the path, not the accuracy)."""
     from benchmarks.inprocess import run_in_process
-    from services.config import CONFIG_DIR, load_config
-    from services.runtime import free_port
+    from steadyrl.services.config import CONFIG_DIR, load_config
+    from steadyrl.services.runtime import free_port
 
     cfg = load_config(CONFIG_DIR / "arith-sudoku-grpo.yaml",
                       ["arith.pretrain.iterations=10", "arith.pretrain.batch_size=16", "run.steps=1",

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.config import CONFIG_DIR, load_config
+from steadyrl.services.config import CONFIG_DIR, load_config
 
 CHARS = list("0123456789+=|")
 
@@ -34,7 +34,7 @@ def model_dir(tmp_path_factory):
 
 
 def test_the_testbed_uses_the_models_tokenizer_and_mask_id(model_dir):
-    from services.testbeds import build_testbed
+    from steadyrl.services.testbeds import build_testbed
 
     cfg = load_config(CONFIG_DIR / "arith-grpo.yaml", [f"arith.pretrained={model_dir}", "arith.trust_remote_code=true"])
     testbed = build_testbed(cfg)
@@ -55,7 +55,7 @@ def test_the_testbed_uses_the_models_tokenizer_and_mask_id(model_dir):
 
 def test_a_pretrained_model_trains_in_process_through_the_same_code(model_dir):
     from benchmarks.inprocess import run_in_process
-    from services.runtime import free_port
+    from steadyrl.services.runtime import free_port
 
     cfg = load_config(CONFIG_DIR / "arith-grpo.yaml",
                       [f"arith.pretrained={model_dir}", "arith.trust_remote_code=true", "run.steps=2",
@@ -72,7 +72,7 @@ def test_tied_weights_left_out_by_save_pretrained_are_rebuilt(tmp_path):
     from safetensors.torch import load_file
     from transformers import BertConfig, BertForMaskedLM
 
-    from rollout.masked_lm import pretrained_architecture_with_weights
+    from steadyrl.rollout.masked_lm import pretrained_architecture_with_weights
 
     cfg = BertConfig(vocab_size=16, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
                      intermediate_size=32, max_position_embeddings=32, hidden_dropout_prob=0,

@@ -11,9 +11,9 @@ import torch
 from pydantic import ValidationError
 from torch import nn
 
-from rollout.config import UNetConfig
-from rollout.models import build_unet
-from trainer.balanced_gradient import (
+from steadyrl.rollout.config import UNetConfig
+from steadyrl.rollout.models import build_unet
+from steadyrl.trainer.balanced_gradient import (
     BalancedGradientConfig,
     DualMomentum,
     RollingQuantileClipper,

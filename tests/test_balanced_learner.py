@@ -4,9 +4,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.runtime import free_port, set_rank_env
-from trainer.balanced_gradient import BalancedGradientConfig, DualMomentum
-from trainer.config import LearnerConfig
+from steadyrl.services.runtime import free_port, set_rank_env
+from steadyrl.trainer.balanced_gradient import BalancedGradientConfig, DualMomentum
+from steadyrl.trainer.config import LearnerConfig
 
 ALL_ON = BalancedGradientConfig(module_grad_scaling=True, dual_momentum=True, advantage_quantile_clip=True,
                                 quantile_window=50, activation_checkpointing=True)
@@ -19,7 +19,7 @@ def single_rank():
 
 def image_learner(balanced):
     from tests.test_learner_seams import FAMILIES, make_learner
-    from trainer.objectives.grpo import GRPOSettings
+    from steadyrl.trainer.objectives.grpo import GRPOSettings
 
     return make_learner(FAMILIES["ddim"], GRPOSettings(eps_clip=0.2), balanced=balanced)
 
@@ -32,8 +32,8 @@ def image_batch(learner, seed):
 
 def dllm_learner(balanced):
     from tests.test_masked_diffusion import sampler, tiny_lm
-    from trainer.learner import DeepSpeedLearner
-    from trainer.objectives.bgpo import BGPOPaperSettings
+    from steadyrl.trainer.learner import DeepSpeedLearner
+    from steadyrl.trainer.objectives.bgpo import BGPOPaperSettings
 
     return DeepSpeedLearner(tiny_lm(dtype=torch.float32), sampler(mc_samples=2), BGPOPaperSettings(),
                             LearnerConfig(micro_batch_size=8, inner_epochs=1, balanced=balanced))

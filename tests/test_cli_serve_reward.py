@@ -12,7 +12,7 @@ from pathlib import Path
 import httpx
 import torch
 
-from rollout.digits import digit_splits, load_digits_tensors
+from steadyrl.rollout.digits import digit_splits, load_digits_tensors
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -25,7 +25,7 @@ def _default_sigint() -> None:
 def test_serve_reward_command_serves_scores_over_http_until_ctrl_c():
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     env["PYTHONUNBUFFERED"] = "1"
-    proc = subprocess.Popen([sys.executable, "-m", "services.cli", "serve-reward", "--port", "0"], cwd=ROOT,
+    proc = subprocess.Popen([sys.executable, "-m", "steadyrl.services.cli", "serve-reward", "--port", "0"], cwd=ROOT,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True, env=env,
                             text=True, preexec_fn=_default_sigint)
     try:

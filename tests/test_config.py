@@ -4,8 +4,8 @@ from __future__ import annotations
 import pytest
 from typer.testing import CliRunner
 
-from services.cli import app
-from services.config import ConfigError, DEFAULT_CONFIG, load_config, parse_override
+from steadyrl.services.cli import app
+from steadyrl.services.config import ConfigError, DEFAULT_CONFIG, load_config, parse_override
 
 
 def test_default_config_loads_and_overrides_apply():
@@ -60,7 +60,7 @@ def test_cli_eval_rejects_a_folder_that_is_not_a_run(tmp_path):
 @pytest.mark.parametrize("preset", ["arith-grpo", "arith-stabledrl", "arith-stabledrl-code", "arith-bgpo",
                                     "arith-sudoku-grpo"])
 def test_arith_presets_load_with_their_objective_and_the_masked_diffusion_sampler(preset):
-    from services.config import CONFIG_DIR
+    from steadyrl.services.config import CONFIG_DIR
 
     cfg = load_config(CONFIG_DIR / f"{preset}.yaml")
     assert cfg.testbed == "arith" and cfg.sampler.kind == "masked_diffusion"

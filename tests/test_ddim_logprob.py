@@ -6,9 +6,9 @@ import math
 import pytest
 import torch
 
-from rollout.config import DDIMSamplerConfig, SchedulerConfig, UNetConfig
-from rollout.ddim import DDIMLogProbSampler, gaussian_logp
-from rollout.models import build_scheduler, build_class_policy
+from steadyrl.rollout.config import DDIMSamplerConfig, SchedulerConfig, UNetConfig
+from steadyrl.rollout.ddim import DDIMLogProbSampler, gaussian_logp
+from steadyrl.rollout.models import build_scheduler, build_class_policy
 
 TINY = UNetConfig(block_out_channels=(8, 16), norm_num_groups=4)
 

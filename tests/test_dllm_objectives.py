@@ -4,11 +4,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rollout.arith import TOKENIZER
-from services.runtime import free_port, set_rank_env
+from steadyrl.rollout.arith import TOKENIZER
+from steadyrl.services.runtime import free_port, set_rank_env
 from tests.test_masked_diffusion import prompts, sampler, tiny_lm
-from trainer.objectives.base import StepInputs
-from trainer.objectives.bgpo import BGPOPaper, BGPOPaperSettings, bgpo_bound
+from steadyrl.trainer.objectives.base import StepInputs
+from steadyrl.trainer.objectives.bgpo import BGPOPaper, BGPOPaperSettings, bgpo_bound
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -76,9 +76,9 @@ def test_bgpo_bound_is_a_lower_bound_off_policy():
 def test_the_learners_two_pass_pieces_give_the_single_graph_gradient():
     """GRPO on a sequence-level sampler: n backward passes (one per MC sample) give the gradient of
     -mean_i A_i rho_i, rho_i = exp(mean_j ell_j - mean_j ell_j^old), computed in one graph."""
-    from trainer.config import LearnerConfig
-    from trainer.learner import DeepSpeedLearner
-    from trainer.objectives.grpo import GRPOSettings
+    from steadyrl.trainer.config import LearnerConfig
+    from steadyrl.trainer.learner import DeepSpeedLearner
+    from steadyrl.trainer.objectives.grpo import GRPOSettings
 
     model = tiny_lm(dtype=torch.float32)
     s, batch = rollout(model)
@@ -99,9 +99,9 @@ def test_the_learners_two_pass_pieces_give_the_single_graph_gradient():
 
 def test_grpo_on_masked_diffusion_raises_the_reward_of_a_token():
     """A few learner updates with the reward 'completion starts with digit 1' make it more likely."""
-    from trainer.config import LearnerConfig
-    from trainer.learner import DeepSpeedLearner
-    from trainer.objectives.grpo import GRPOSettings
+    from steadyrl.trainer.config import LearnerConfig
+    from steadyrl.trainer.learner import DeepSpeedLearner
+    from steadyrl.trainer.objectives.grpo import GRPOSettings
 
     s = sampler(mc_samples=2, gen_length=4, num_steps=4)
     learner = DeepSpeedLearner(tiny_lm(dtype=torch.float32), s, GRPOSettings(eps_clip=0.2, kl_coef=0.01),
@@ -124,7 +124,7 @@ def test_grpo_on_masked_diffusion_raises_the_reward_of_a_token():
 
 def test_eubo_pieces_sum_to_the_one_graph_eubo_gradient():
     """SPG's EUBO is a log of a mean over MC samples; its per-sample pieces' gradients sum to its own."""
-    from trainer.objectives.sandwich import eubo_piece, eubo_statistics
+    from steadyrl.trainer.objectives.sandwich import eubo_piece, eubo_statistics
 
     model = tiny_lm()
     s, batch = rollout(model)
@@ -149,10 +149,10 @@ def test_eubo_pieces_sum_to_the_one_graph_eubo_gradient():
 
 def test_stabledrl_code_sandwich_through_the_learner_matches_one_graph():
     """stabledrl.code on a dLLM: -sum_i w_i A_i J_i, J the SPG sandwich, w softmax within each group."""
-    from trainer.config import LearnerConfig
-    from trainer.learner import DeepSpeedLearner
-    from trainer.objectives.sandwich import eubo_statistics, sandwich
-    from trainer.objectives.stabledrl_code import StableDRLCodeSettings
+    from steadyrl.trainer.config import LearnerConfig
+    from steadyrl.trainer.learner import DeepSpeedLearner
+    from steadyrl.trainer.objectives.sandwich import eubo_statistics, sandwich
+    from steadyrl.trainer.objectives.stabledrl_code import StableDRLCodeSettings
 
     model = tiny_lm(dtype=torch.float32)
     s, batch = rollout(model)
@@ -176,8 +176,8 @@ def test_stabledrl_code_sandwich_through_the_learner_matches_one_graph():
 
 def test_eubo_ignores_tokens_no_mask_covers_in_float32():
     """A token masked in no MC sample has q = 0: it is left out (their code), never log(0) or 0/0."""
-    from rollout.likelihood import SequenceLogProb
-    from trainer.objectives.sandwich import eubo_piece, eubo_statistics
+    from steadyrl.rollout.likelihood import SequenceLogProb
+    from steadyrl.trainer.objectives.sandwich import eubo_piece, eubo_statistics
 
     logp = torch.log(torch.tensor([[0.5, 0.25, 0.9]])).requires_grad_(True)
     mask = torch.tensor([[True, True, False]])

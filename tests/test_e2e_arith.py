@@ -4,9 +4,9 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from services.config import CONFIG_DIR, load_config
-from services.controller import train
-from services.report import read_metrics
+from steadyrl.services.config import CONFIG_DIR, load_config
+from steadyrl.services.controller import train
+from steadyrl.services.report import read_metrics
 
 
 @pytest.fixture(scope="module")
@@ -43,9 +43,9 @@ def test_arith_run_folder_shows_examples_and_breakdown(arith_run):
 def test_the_verifier_app_scores_text_and_token_ids_over_http(ray_cluster, serve_port):
     from ray import serve
 
-    from rollout.arith import TOKENIZER
-    from services.reward_app import APP_NAME, ROUTE_PREFIX, deploy_reward_app
-    from services.testbeds import build_testbed
+    from steadyrl.rollout.arith import TOKENIZER
+    from steadyrl.services.reward_app import APP_NAME, ROUTE_PREFIX, deploy_reward_app
+    from steadyrl.services.testbeds import build_testbed
 
     testbed = build_testbed(load_config(CONFIG_DIR / "arith-grpo.yaml"))
     deploy_reward_app(testbed.reward_spec())
@@ -74,7 +74,7 @@ def test_every_dllm_preset_trains(preset, own_key):
     """Each preset's objective through its testbed, sampler and DeepSpeed learner (in one process: the Ray
     path is the GRPO run above, and the presets differ from it only in what the learner computes)."""
     from benchmarks.inprocess import run_in_process
-    from services.runtime import free_port
+    from steadyrl.services.runtime import free_port
 
     cfg = load_config(CONFIG_DIR / f"{preset}.yaml", ["run.steps=2", "arith.eval_problems=20"])
     out = run_in_process(cfg, free_port(), eval_every=10**9)

@@ -7,10 +7,10 @@ import shutil
 import pytest
 from typer.testing import CliRunner
 
-from services.cli import app
-from services.config import CONFIG_DIR
-from services.controller import latest_checkpoint, train
-from services.report import read_metrics
+from steadyrl.services.cli import app
+from steadyrl.services.config import CONFIG_DIR
+from steadyrl.services.controller import latest_checkpoint, train
+from steadyrl.services.report import read_metrics
 
 SMOKE = CONFIG_DIR / "smoke.yaml"
 

@@ -8,13 +8,13 @@ import pytest
 import torch
 from diffusers import FlowMatchEulerDiscreteScheduler
 
-from rollout.cache import config_key
-from rollout.config import FlowSDESamplerConfig, SchedulerConfig, UNetConfig
-from rollout.flow_sde import FlowSDESampler
-from rollout.models import build_class_policy
-from rollout.policy import ClassConditionalPolicy
-from rollout.sampler import GaussianStepSampler, gaussian_logp
-from trainer.pretrain import PretrainConfig, pretrain_unet, pretrained_unet_dir
+from steadyrl.rollout.cache import config_key
+from steadyrl.rollout.config import FlowSDESamplerConfig, SchedulerConfig, UNetConfig
+from steadyrl.rollout.flow_sde import FlowSDESampler
+from steadyrl.rollout.models import build_class_policy
+from steadyrl.rollout.policy import ClassConditionalPolicy
+from steadyrl.rollout.sampler import GaussianStepSampler, gaussian_logp
+from steadyrl.trainer.pretrain import PretrainConfig, pretrain_unet, pretrained_unet_dir
 
 TINY = UNetConfig(block_out_channels=(8, 16), norm_num_groups=4)
 
@@ -130,7 +130,7 @@ def test_exact_velocity_gives_euler_step_plus_score_correction(k):
 
 def _fixed_velocity_loss(model, n=256, seed=123):
     """Mean ||v_theta(x_s, 1000 s, y) - (eps - x0)||^2 on a fixed draw of real digits, s and eps."""
-    from rollout.digits import load_digits_tensors
+    from steadyrl.rollout.digits import load_digits_tensors
 
     g = torch.Generator().manual_seed(seed)
     images, labels = load_digits_tensors()

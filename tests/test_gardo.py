@@ -7,13 +7,13 @@ import pytest
 import scipy.stats
 import torch
 
-from reward.diversity import cosine_nearest_neighbour_distance
-from reward.uncertainty import descending_ranks, kendall_gate_score, rank_difference_uncertainty
-from rollout.batch import RolloutBatch
-from trainer.objectives import StepInputs, build_objective
-from trainer.objectives.gardo import (GARDOPaperSettings, adapt_beta, aux_scores, diversity_advantages,
+from steadyrl.reward.diversity import cosine_nearest_neighbour_distance
+from steadyrl.reward.uncertainty import descending_ranks, kendall_gate_score, rank_difference_uncertainty
+from steadyrl.rollout.batch import RolloutBatch
+from steadyrl.trainer.objectives import StepInputs, build_objective
+from steadyrl.trainer.objectives.gardo import (GARDOPaperSettings, adapt_beta, aux_scores, diversity_advantages,
                                       percentile_gate)
-from trainer.objectives.gardo_seed import GARDOSeedSettings
+from steadyrl.trainer.objectives.gardo_seed import GARDOSeedSettings
 
 
 def make_batch(rewards, names, group=None, features=None, key="proxy"):
@@ -276,14 +276,14 @@ def test_state_survives_state_dict_into_a_fresh_objective():
 
 # ---------------------------------------------------------------- the real learner
 def test_gardo_paper_in_the_deepspeed_learner_resets_the_reference_on_schedule():
-    from rollout.config import DDIMSamplerConfig, SchedulerConfig, UNetConfig
-    from rollout.ddim import DDIMLogProbSampler
-    from rollout.models import build_scheduler, build_class_policy
-    from services.runtime import free_port, set_rank_env
-    from trainer.config import LearnerConfig
+    from steadyrl.rollout.config import DDIMSamplerConfig, SchedulerConfig, UNetConfig
+    from steadyrl.rollout.ddim import DDIMLogProbSampler
+    from steadyrl.rollout.models import build_scheduler, build_class_policy
+    from steadyrl.services.runtime import free_port, set_rank_env
+    from steadyrl.trainer.config import LearnerConfig
 
     set_rank_env(free_port())
-    from trainer.learner import DeepSpeedLearner
+    from steadyrl.trainer.learner import DeepSpeedLearner
 
     torch.manual_seed(0)
     tiny = UNetConfig(block_out_channels=(8, 16), norm_num_groups=4)

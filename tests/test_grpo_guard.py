@@ -7,16 +7,16 @@ import math
 import pytest
 import torch
 
-from rollout.config import DDIMSamplerConfig, FlowSDESamplerConfig, SchedulerConfig, UNetConfig
-from rollout.ddim import DDIMLogProbSampler
-from rollout.flow_sde import FlowSDESampler
-from rollout.models import build_scheduler, build_class_policy
-from rollout.sampler import gaussian_logp
-from services.runtime import free_port, set_rank_env
-from trainer.config import LearnerConfig
-from trainer.objectives import StepInputs, build_objective
-from trainer.objectives.grpo_guard import GRPOGuardPaperSettings, normalised_log_ratio
-from trainer.objectives.reward_backprop import DraftSettings, GRPOGuardSeedSettings
+from steadyrl.rollout.config import DDIMSamplerConfig, FlowSDESamplerConfig, SchedulerConfig, UNetConfig
+from steadyrl.rollout.ddim import DDIMLogProbSampler
+from steadyrl.rollout.flow_sde import FlowSDESampler
+from steadyrl.rollout.models import build_scheduler, build_class_policy
+from steadyrl.rollout.sampler import gaussian_logp
+from steadyrl.services.runtime import free_port, set_rank_env
+from steadyrl.trainer.config import LearnerConfig
+from steadyrl.trainer.objectives import StepInputs, build_objective
+from steadyrl.trainer.objectives.grpo_guard import GRPOGuardPaperSettings, normalised_log_ratio
+from steadyrl.trainer.objectives.reward_backprop import DraftSettings, GRPOGuardSeedSettings
 
 TINY = UNetConfig(block_out_channels=(8, 16), norm_num_groups=4)
 F64 = torch.float64
@@ -24,7 +24,7 @@ F64 = torch.float64
 
 def make_learner(sampler, settings, lr=1e-3, micro=8, optim=None, reward_fn=None, seed=0):
     set_rank_env(free_port())
-    from trainer.learner import DeepSpeedLearner
+    from steadyrl.trainer.learner import DeepSpeedLearner
 
     torch.manual_seed(seed)
     return DeepSpeedLearner(build_class_policy(TINY), sampler, settings,
@@ -278,7 +278,7 @@ def target_reward(x, c):
 
 
 def test_draft_surrogate_gradient_equals_minus_the_gradient_of_the_mean_reward():
-    from trainer.learner import MetricSums
+    from steadyrl.trainer.learner import MetricSums
 
     sampler = DDIMLogProbSampler(DDIMSamplerConfig(num_steps=5), build_scheduler(SchedulerConfig()))
     learner = make_learner(sampler, DraftSettings(backprop_steps=2), micro=3, optim=6, reward_fn=target_reward)
@@ -329,7 +329,7 @@ def test_draft_learner_raises_a_differentiable_reward_of_fresh_samples():
 
 # ---------------------------------------------------------------------------------------------- config
 def test_config_rejects_reward_backprop_settings_on_the_paper_form():
-    from services.config import ConfigError, load_config
+    from steadyrl.services.config import ConfigError, load_config
 
     with pytest.raises(ConfigError, match=r"objective\.backprop_steps"):
         load_config(None, ["objective.name=grpo_guard.paper", "objective.backprop_steps=1"])

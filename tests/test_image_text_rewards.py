@@ -12,8 +12,8 @@ import torch
 import torch.nn.functional as F
 from PIL import Image
 
-from reward.base import RewardModel
-from reward.factory import (AestheticSpec, ClipScoreSpec, JpegSpec, PreferenceSpec, build_reward_model,
+from steadyrl.reward.base import RewardModel
+from steadyrl.reward.factory import (AestheticSpec, ClipScoreSpec, JpegSpec, PreferenceSpec, build_reward_model,
                             parse_reward_spec)
 from tests.tiny_models import save_tiny_aesthetic_head, save_tiny_clip, save_tiny_clip_tokenizer, tiny_aesthetic_head
 

@@ -5,12 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rollout.config import DDIMSamplerConfig, SchedulerConfig, UNetConfig
-from rollout.ddim import DDIMLogProbSampler
-from rollout.models import build_scheduler, build_class_policy
-from services.runtime import free_port, set_rank_env
-from trainer.config import LearnerConfig
-from trainer.objectives.grpo import GRPOSettings
+from steadyrl.rollout.config import DDIMSamplerConfig, SchedulerConfig, UNetConfig
+from steadyrl.rollout.ddim import DDIMLogProbSampler
+from steadyrl.rollout.models import build_scheduler, build_class_policy
+from steadyrl.services.runtime import free_port, set_rank_env
+from steadyrl.trainer.config import LearnerConfig
+from steadyrl.trainer.objectives.grpo import GRPOSettings
 
 TINY = UNetConfig(block_out_channels=(8, 16), norm_num_groups=4)
 
@@ -18,7 +18,7 @@ TINY = UNetConfig(block_out_channels=(8, 16), norm_num_groups=4)
 @pytest.fixture(scope="module")
 def learner():
     set_rank_env(free_port())
-    from trainer.learner import DeepSpeedLearner
+    from steadyrl.trainer.learner import DeepSpeedLearner
 
     torch.manual_seed(0)
     sampler = DDIMLogProbSampler(DDIMSamplerConfig(num_steps=5), build_scheduler(SchedulerConfig()))

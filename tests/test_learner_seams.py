@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rollout.config import DDIMSamplerConfig, FlowSDESamplerConfig, SchedulerConfig, UNetConfig
-from rollout.models import build_class_policy
-from rollout.samplers import build_sampler
-from services.runtime import free_port, set_rank_env
-from trainer.config import LearnerConfig
+from steadyrl.rollout.config import DDIMSamplerConfig, FlowSDESamplerConfig, SchedulerConfig, UNetConfig
+from steadyrl.rollout.models import build_class_policy
+from steadyrl.rollout.samplers import build_sampler
+from steadyrl.services.runtime import free_port, set_rank_env
+from steadyrl.trainer.config import LearnerConfig
 
 TINY = UNetConfig(block_out_channels=(8, 16), norm_num_groups=4)
 FAMILIES = {"ddim": DDIMSamplerConfig(num_steps=5), "flow_sde": FlowSDESamplerConfig(num_steps=5)}
@@ -21,7 +21,7 @@ def single_rank():
 
 
 def make_learner(sampler_cfg, objective_cfg, seed=0, **learner_kw):
-    from trainer.learner import DeepSpeedLearner
+    from steadyrl.trainer.learner import DeepSpeedLearner
 
     torch.manual_seed(seed)
     sampler = build_sampler(sampler_cfg, SchedulerConfig())
@@ -41,7 +41,7 @@ def brightness_batch(learner, seed, n_per_class=6):
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_the_same_learner_update_trains_both_image_families(family):
-    from trainer.objectives.grpo import GRPOSettings
+    from steadyrl.trainer.objectives.grpo import GRPOSettings
 
     learner = make_learner(FAMILIES[family], GRPOSettings(eps_clip=0.2), optim_batch_size=16)
     start = float(brightness_batch(learner, 100).samples.mean())
@@ -54,7 +54,7 @@ def test_the_same_learner_update_trains_both_image_families(family):
 
 def test_objective_state_and_reference_survive_save_and_load(tmp_path):
     """GARDO's adaptive beta, its m window and reset counter, and the reference model round-trip the checkpoint."""
-    from trainer.objectives.gardo import GARDOPaperSettings
+    from steadyrl.trainer.objectives.gardo import GARDOPaperSettings
 
     cfg = GARDOPaperSettings(kl_coef=0.1, ref_reset_every=2, train_min_std=0.05)
     learner = make_learner(FAMILIES["ddim"], cfg)
@@ -79,8 +79,8 @@ def test_objective_state_and_reference_survive_save_and_load(tmp_path):
 
 
 def test_a_checkpoint_from_another_objective_is_refused(tmp_path):
-    from trainer.objectives.grpo import GRPOSettings
-    from trainer.objectives.stabledrl_paper import StableDRLPaperSettings
+    from steadyrl.trainer.objectives.grpo import GRPOSettings
+    from steadyrl.trainer.objectives.stabledrl_paper import StableDRLPaperSettings
 
     make_learner(FAMILIES["ddim"], GRPOSettings()).save(tmp_path)
     with pytest.raises(ValueError, match="objective 'grpo'"):

@@ -7,14 +7,14 @@ import copy
 import pytest
 import torch
 
-from rollout.config import DDIMSamplerConfig, SchedulerConfig, UNetConfig
-from rollout.ddim import DDIMLogProbSampler
-from rollout.lora import LoRAConfig, add_lora
-from rollout.models import build_class_policy, build_scheduler
-from rollout.policy import state_bytes
-from services.runtime import free_port, set_rank_env
-from trainer.config import LearnerConfig
-from trainer.objectives.grpo import GRPOSettings
+from steadyrl.rollout.config import DDIMSamplerConfig, SchedulerConfig, UNetConfig
+from steadyrl.rollout.ddim import DDIMLogProbSampler
+from steadyrl.rollout.lora import LoRAConfig, add_lora
+from steadyrl.rollout.models import build_class_policy, build_scheduler
+from steadyrl.rollout.policy import state_bytes
+from steadyrl.services.runtime import free_port, set_rank_env
+from steadyrl.trainer.config import LearnerConfig
+from steadyrl.trainer.objectives.grpo import GRPOSettings
 
 TINY = UNetConfig(block_out_channels=(8, 16), norm_num_groups=4)
 TARGETS = ["conv1", "conv2"]  # the tiny UNet has no attention: adapters on its ResNet convolutions
@@ -40,7 +40,7 @@ def inputs(n: int = 4):
 @pytest.fixture(scope="module")
 def learner():
     set_rank_env(free_port())
-    from trainer.learner import DeepSpeedLearner
+    from steadyrl.trainer.learner import DeepSpeedLearner
 
     sampler = DDIMLogProbSampler(DDIMSamplerConfig(num_steps=5), build_scheduler(SchedulerConfig()))
     return DeepSpeedLearner(lora_policy(), sampler, GRPOSettings(eps_clip=0.2, kl_coef=0.01),

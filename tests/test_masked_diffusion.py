@@ -7,11 +7,11 @@ import math
 import pytest
 import torch
 
-from rollout.arith import TOKENIZER, ArithTask
-from rollout.config import MaskedDiffusionSamplerConfig
-from rollout.likelihood import draw_masks, estimate, token_log_probs
-from rollout.masked_diffusion import MaskedDiffusionSampler, transfer_schedule
-from rollout.masked_lm import MaskedLMConfig, build_masked_lm
+from steadyrl.rollout.arith import TOKENIZER, ArithTask
+from steadyrl.rollout.config import MaskedDiffusionSamplerConfig
+from steadyrl.rollout.likelihood import draw_masks, estimate, token_log_probs
+from steadyrl.rollout.masked_diffusion import MaskedDiffusionSampler, transfer_schedule
+from steadyrl.rollout.masked_lm import MaskedLMConfig, build_masked_lm
 
 TINY = MaskedLMConfig(hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64, max_positions=32)
 MASK = TOKENIZER.mask_token_id
@@ -173,7 +173,7 @@ def test_independent_masks_are_redrawn_for_the_new_policy_and_kept_for_the_old()
 
 
 def test_k3_kl_is_zero_on_equal_likelihoods_and_positive_otherwise():
-    from rollout.sampler import StepLogProb
+    from steadyrl.rollout.sampler import StepLogProb
 
     s = sampler()
     new = StepLogProb(torch.tensor([-2.0, -3.0, -1.0], dtype=torch.float64), None, None)

@@ -4,11 +4,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rollout.batch import RolloutBatch
-from trainer.advantages import group_advantages
-from trainer.kl import gaussian_kl_same_std
-from trainer.objectives import StepInputs, available, build_objective, objective_class
-from trainer.objectives.grpo import GRPOSettings, ppo_clip_loss
+from steadyrl.rollout.batch import RolloutBatch
+from steadyrl.trainer.advantages import group_advantages
+from steadyrl.trainer.kl import gaussian_kl_same_std
+from steadyrl.trainer.objectives import StepInputs, available, build_objective, objective_class
+from steadyrl.trainer.objectives.grpo import GRPOSettings, ppo_clip_loss
 
 
 def test_group_advantages_use_population_std_within_groups():
@@ -90,9 +90,9 @@ def test_batch_split_index_concat_round_trip():
 
 
 def test_group_offset_keeps_groups_of_joined_worker_batches_apart():
-    from rollout.config import DDIMSamplerConfig, SchedulerConfig, UNetConfig
-    from rollout.ddim import DDIMLogProbSampler
-    from rollout.models import build_scheduler, build_class_policy
+    from steadyrl.rollout.config import DDIMSamplerConfig, SchedulerConfig, UNetConfig
+    from steadyrl.rollout.ddim import DDIMLogProbSampler
+    from steadyrl.rollout.models import build_scheduler, build_class_policy
 
     model = build_class_policy(UNetConfig(block_out_channels=(8, 16), norm_num_groups=4))
     sampler = DDIMLogProbSampler(DDIMSamplerConfig(num_steps=3), build_scheduler(SchedulerConfig()))

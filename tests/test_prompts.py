@@ -8,7 +8,7 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from rollout.prompts import (
+from steadyrl.rollout.prompts import (
     PromptsConfig,
     PromptSet,
     build_splits,

@@ -13,9 +13,9 @@ import json
 import pytest
 import torch
 
-from rollout.config import MaskedDiffusionSamplerConfig
-from rollout.masked_lm import load_pretrained_masked_lm
-from rollout.samplers import build_sampler
+from steadyrl.rollout.config import MaskedDiffusionSamplerConfig
+from steadyrl.rollout.masked_lm import load_pretrained_masked_lm
+from steadyrl.rollout.samplers import build_sampler
 from tests.assets.tiny_llada import write_tiny_llada
 
 VOCAB = 24

@@ -5,14 +5,14 @@ import numpy as np
 import pytest
 import torch
 
-from reward.base import check_scores
-from reward.classifiers import load_classifier
-from reward.config import RewardConfig, build_reward_models
-from reward.diversity import mean_pairwise_distance, nearest_neighbour_distance
-from reward.ensemble import RewardEnsemble, combine_scores, rank_disagreement
-from reward.jpeg import JpegCompressibilityReward
-from rollout.cache import build_dir_atomically
-from rollout.digits import digit_splits, load_digits_tensors
+from steadyrl.reward.base import check_scores
+from steadyrl.reward.classifiers import load_classifier
+from steadyrl.reward.config import RewardConfig, build_reward_models
+from steadyrl.reward.diversity import mean_pairwise_distance, nearest_neighbour_distance
+from steadyrl.reward.ensemble import RewardEnsemble, combine_scores, rank_disagreement
+from steadyrl.reward.jpeg import JpegCompressibilityReward
+from steadyrl.rollout.cache import build_dir_atomically
+from steadyrl.rollout.digits import digit_splits, load_digits_tensors
 
 
 @pytest.fixture(scope="module")
@@ -131,12 +131,12 @@ def test_atomic_build_leaves_nothing_behind_on_failure(tmp_path):
 
 
 def test_classifier_cache_is_reused_without_training(models, monkeypatch):
-    import reward.classifiers
+    from steadyrl.reward import classifiers
 
     def no_training(spec):
         raise AssertionError(f"classifier {spec.name!r} was retrained instead of loaded from the cache")
 
-    monkeypatch.setattr(reward.classifiers, "train_classifier", no_training)
+    monkeypatch.setattr(classifiers, "train_classifier", no_training)
     members, _ = models
     again = load_classifier(RewardConfig().members[0])
     for a, b in zip(again.model.state_dict().values(), members[0].model.state_dict().values()):
@@ -148,10 +148,10 @@ def test_one_factory_builds_every_reward_model_from_its_json_spec():
     go through `build_reward_model`, so the same spec gives the same scores."""
     import pydantic
 
-    from reward.config import RewardConfig
-    from reward.factory import JpegSpec, build_reward_model, parse_reward_spec
-    from reward.jpeg import JpegCompressibilityReward
-    from reward.verifiers import VerifierReward, VerifierSpec
+    from steadyrl.reward.config import RewardConfig
+    from steadyrl.reward.factory import JpegSpec, build_reward_model, parse_reward_spec
+    from steadyrl.reward.jpeg import JpegCompressibilityReward
+    from steadyrl.reward.verifiers import VerifierReward, VerifierSpec
 
     cfg = RewardConfig(jpeg=True)
     specs = [*cfg.member_specs(), cfg.gold, VerifierSpec(task="sudoku")]

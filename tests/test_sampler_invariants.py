@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rollout.config import DDIMSamplerConfig, FlowSDESamplerConfig, SchedulerConfig, UNetConfig
-from rollout.models import build_class_policy
-from rollout.samplers import build_sampler
+from steadyrl.rollout.config import DDIMSamplerConfig, FlowSDESamplerConfig, SchedulerConfig, UNetConfig
+from steadyrl.rollout.models import build_class_policy
+from steadyrl.rollout.samplers import build_sampler
 
 TINY = UNetConfig(block_out_channels=(8, 16), norm_num_groups=4)
 SAMPLERS = {"ddim": DDIMSamplerConfig(num_steps=6), "flow_sde": FlowSDESamplerConfig(num_steps=6)}

@@ -4,10 +4,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rollout.batch import RolloutBatch
-from rollout.config import DDIMSamplerConfig, SchedulerConfig
-from rollout.samplers import build_sampler
-from services.config import ConfigError, load_config
+from steadyrl.rollout.batch import RolloutBatch
+from steadyrl.rollout.config import DDIMSamplerConfig, SchedulerConfig
+from steadyrl.rollout.samplers import build_sampler
+from steadyrl.services.config import ConfigError, load_config
 
 
 def make_batch(n: int, **extras: torch.Tensor) -> RolloutBatch:
@@ -76,7 +76,7 @@ def test_sampler_factory_builds_by_kind_with_a_consistent_schedule():
 
 
 def test_a_config_built_from_defaults_alone_validates_and_round_trips():
-    from services.config import TrainConfig
+    from steadyrl.services.config import TrainConfig
 
     cfg = TrainConfig()
     assert cfg.sampler.kind == "ddim" and cfg.objective.name == "grpo"
@@ -96,10 +96,10 @@ def test_preset_base_merges_sections_and_a_switched_objective_starts_afresh(tmp_
         load_config(tmp_path / "loop.yaml")
 
 
-@pytest.mark.parametrize("preset", sorted(p.name for p in __import__("services.config", fromlist=["CONFIG_DIR"])
+@pytest.mark.parametrize("preset", sorted(p.name for p in __import__("steadyrl.services.config", fromlist=["CONFIG_DIR"])
                                           .CONFIG_DIR.glob("digits-*.yaml")))
 def test_every_digits_preset_loads_and_names_its_run_after_itself(preset):
-    from services.config import CONFIG_DIR
+    from steadyrl.services.config import CONFIG_DIR
 
     cfg = load_config(CONFIG_DIR / preset)
     assert cfg.run.name == preset.removesuffix(".yaml")

@@ -5,7 +5,7 @@ import httpx
 import pytest
 import torch
 
-from rollout.digits import digit_splits, load_digits_tensors
+from steadyrl.rollout.digits import digit_splits, load_digits_tensors
 
 
 @pytest.fixture(scope="module")
@@ -61,7 +61,7 @@ def test_in_cluster_handle_batches_concurrent_calls(reward_url, digits):
     """Concurrent handle calls are answered correctly (the member deployments batch them)."""
     from ray import serve
 
-    from services.reward_app import APP_NAME
+    from steadyrl.services.reward_app import APP_NAME
 
     images, labels = digits
     handle = serve.get_app_handle(APP_NAME)

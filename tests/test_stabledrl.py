@@ -11,14 +11,14 @@ import math
 import pytest
 import torch
 
-from rollout.batch import RolloutBatch
-from rollout.config import DDIMSamplerConfig, SchedulerConfig, UNetConfig
-from rollout.models import build_scheduler, build_class_policy
-from services.config import ConfigError, load_config
-from trainer.objectives import PreparePiece, StepInputs, build_objective
-from trainer.objectives.grpo import GRPOSettings
-from trainer.objectives.stabledrl_code import StableDRLCodeSettings
-from trainer.objectives.stabledrl_paper import StableDRLPaperSettings
+from steadyrl.rollout.batch import RolloutBatch
+from steadyrl.rollout.config import DDIMSamplerConfig, SchedulerConfig, UNetConfig
+from steadyrl.rollout.models import build_scheduler, build_class_policy
+from steadyrl.services.config import ConfigError, load_config
+from steadyrl.trainer.objectives import PreparePiece, StepInputs, build_objective
+from steadyrl.trainer.objectives.grpo import GRPOSettings
+from steadyrl.trainer.objectives.stabledrl_code import StableDRLCodeSettings
+from steadyrl.trainer.objectives.stabledrl_paper import StableDRLPaperSettings
 
 F64 = torch.float64
 TINY = UNetConfig(block_out_channels=(8, 16), norm_num_groups=4)
@@ -237,12 +237,12 @@ def test_a_bad_objective_key_fails_at_config_load_naming_the_field():
 # ---------------------------------------------------------------- the real learner
 @pytest.fixture(scope="module", params=["stabledrl.paper", "stabledrl.code"])
 def learner(request):
-    from rollout.ddim import DDIMLogProbSampler
-    from services.runtime import free_port, set_rank_env
-    from trainer.config import LearnerConfig
+    from steadyrl.rollout.ddim import DDIMLogProbSampler
+    from steadyrl.services.runtime import free_port, set_rank_env
+    from steadyrl.trainer.config import LearnerConfig
 
     set_rank_env(free_port())
-    from trainer.learner import DeepSpeedLearner
+    from steadyrl.trainer.learner import DeepSpeedLearner
 
     torch.manual_seed(0)
     sampler = DDIMLogProbSampler(DDIMSamplerConfig(num_steps=5), build_scheduler(SchedulerConfig()))

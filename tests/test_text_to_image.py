@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from services.config import ConfigError, load_config
-from services.testbeds import build_testbed
+from steadyrl.services.config import ConfigError, load_config
+from steadyrl.services.testbeds import build_testbed
 from tests.tiny_models import (save_tiny_flux_pipeline, save_tiny_sd3_pipeline, save_tiny_sd_pipeline,
                                save_tiny_sdxl_pipeline)
 
@@ -160,7 +160,7 @@ def test_tiny_sdxl_has_sdxls_layout_and_is_deterministic(pipelines, tmp_path):
     scheduler, force_zeros_for_empty_prompt; the same seed gives byte-identical weights."""
     from diffusers import DiffusionPipeline, StableDiffusionXLPipeline
 
-    from rollout.diffusers_pipelines import describe_pipeline
+    from steadyrl.rollout.diffusers_pipelines import describe_pipeline
 
     info = describe_pipeline(str(pipelines["sdxl"]))
     assert (info.family, info.resolution, info.latent_shape(None)) == ("sdxl", 16, (4, 8, 8))
@@ -206,7 +206,7 @@ def test_a_flux_lora_policy_trains_in_process_with_only_its_adapters_synced(pipe
     """FLUX (packed latents, distilled guidance, the dynamically shifted flow grid) through the same learner:
     two steps in one process; each sync is the adapters; the recompute of the rollout's log-probs agrees."""
     from benchmarks.inprocess import run_in_process
-    from services.runtime import free_port
+    from steadyrl.services.runtime import free_port
 
     cfg = t2i_config(pipelines["flux"], "flux", "run.steps=2", "learner.micro_batch_size=6",
                      "objective.train_min_std=0.0", "text_to_image.guidance_scale=3.5")

@@ -18,8 +18,8 @@ import torch
 from pydantic import Field, model_validator
 from torch import Tensor, nn
 
-from rollout.config import StrictModel
-from trainer.dual_momentum import DualMomentum
+from steadyrl.rollout.config import StrictModel
+from steadyrl.trainer.dual_momentum import DualMomentum
 
 __all__ = ["BalancedGradientConfig", "DualMomentum", "RollingQuantileClipper", "apply_module_precision",
            "enable_activation_checkpointing", "module_groups", "scale_module_gradients"]

@@ -5,9 +5,9 @@ from typing import Annotated, Any, Literal, Union
 
 from pydantic import Discriminator, Field, Tag, model_validator
 
-from rollout.config import StrictModel
-from trainer.balanced_gradient import BalancedGradientConfig
-from trainer.objectives import settings_types
+from steadyrl.rollout.config import StrictModel
+from steadyrl.trainer.balanced_gradient import BalancedGradientConfig
+from steadyrl.trainer.objectives import settings_types
 
 
 DEFAULT_OBJECTIVE = "grpo"

@@ -35,14 +35,14 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
-from rollout.batch import RolloutBatch
-from rollout.masked_diffusion import MaskedDiffusionSampler
-from rollout.policy import load_trainable_state, make_reference, state_bytes, trainable_state
-from rollout.sampler import GaussianStepSampler, StepLogProb
-from trainer.balanced_gradient import (DualMomentum, RollingQuantileClipper, apply_module_precision,
+from steadyrl.rollout.batch import RolloutBatch
+from steadyrl.rollout.masked_diffusion import MaskedDiffusionSampler
+from steadyrl.rollout.policy import load_trainable_state, make_reference, state_bytes, trainable_state
+from steadyrl.rollout.sampler import GaussianStepSampler, StepLogProb
+from steadyrl.trainer.balanced_gradient import (DualMomentum, RollingQuantileClipper, apply_module_precision,
                                       enable_activation_checkpointing, scale_module_gradients)
-from trainer.config import LearnerConfig
-from trainer.objectives import (ObjectiveSettings, PolicyGradientObjective, PreparePiece, RewardBackpropObjective,
+from steadyrl.trainer.config import LearnerConfig
+from steadyrl.trainer.objectives import (ObjectiveSettings, PolicyGradientObjective, PreparePiece, RewardBackpropObjective,
                                 StepInputs, build_objective)
 
 log = logging.getLogger(__name__)

@@ -15,10 +15,10 @@ from torch import Tensor
 from pydantic import Field
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-from rollout.cache import build_dir_atomically, cache_root, config_key
-from rollout.config import SchedulerConfig, StrictModel, UNetConfig
-from rollout.digits import digit_splits, load_digits_tensors
-from rollout.models import build_scheduler, build_unet, save_weights
+from steadyrl.rollout.cache import build_dir_atomically, cache_root, config_key
+from steadyrl.rollout.config import SchedulerConfig, StrictModel, UNetConfig
+from steadyrl.rollout.digits import digit_splits, load_digits_tensors
+from steadyrl.rollout.models import build_scheduler, build_unet, save_weights
 
 MODEL_FILE = "unet.safetensors"
 

@@ -18,11 +18,11 @@ import torch.nn.functional as F
 from pydantic import Field
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-from rollout.arith import TOKENIZER, ArithTask
-from rollout.cache import build_dir_atomically, cache_root, config_key
-from rollout.config import StrictModel
-from rollout.masked_lm import MaskedLMConfig, build_masked_lm
-from rollout.models import save_weights
+from steadyrl.rollout.arith import TOKENIZER, ArithTask
+from steadyrl.rollout.cache import build_dir_atomically, cache_root, config_key
+from steadyrl.rollout.config import StrictModel
+from steadyrl.rollout.masked_lm import MaskedLMConfig, build_masked_lm
+from steadyrl.rollout.models import save_weights
 
 MODEL_FILE = "masked_lm.safetensors"
 

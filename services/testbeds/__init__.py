@@ -7,11 +7,11 @@ testbed is a new module here (`base.Testbed`), not a fork of the loop.
 """
 from __future__ import annotations
 
-from services.config import TrainConfig
-from services.testbeds.arith import ArithTestbed
-from services.testbeds.base import Testbed
-from services.testbeds.digits import DigitsTestbed
-from services.testbeds.text_to_image import TextToImageTestbed
+from steadyrl.services.config import TrainConfig
+from steadyrl.services.testbeds.arith import ArithTestbed
+from steadyrl.services.testbeds.base import Testbed
+from steadyrl.services.testbeds.digits import DigitsTestbed
+from steadyrl.services.testbeds.text_to_image import TextToImageTestbed
 
 TESTBEDS: dict[str, type[Testbed]] = {"digits": DigitsTestbed, "arith": ArithTestbed,
                                       "text_to_image": TextToImageTestbed}

@@ -8,10 +8,10 @@ from typing import Any
 import numpy as np
 from torch import Tensor, nn
 
-from reward.ensemble import EnsembleScores, RewardEnsemble
-from rollout.batch import RolloutBatch
-from rollout.samplers import build_sampler
-from services.testbeds.base import Testbed
+from steadyrl.reward.ensemble import EnsembleScores, RewardEnsemble
+from steadyrl.rollout.batch import RolloutBatch
+from steadyrl.rollout.samplers import build_sampler
+from steadyrl.services.testbeds.base import Testbed
 
 
 class ArithTestbed(Testbed):
@@ -22,15 +22,15 @@ class ArithTestbed(Testbed):
 
     @property
     def task(self):
-        from rollout.arith import ArithTask
+        from steadyrl.rollout.arith import ArithTask
 
         a = self.cfg.arith
         return ArithTask(task=a.task, digits=a.digits, blanks=a.blanks, gen_length=self.cfg.sampler.gen_length)
 
     @cached_property
     def mask_token_id(self) -> int:
-        from rollout.arith import TOKENIZER
-        from rollout.masked_lm import resolve_pretrained_masked_lm
+        from steadyrl.rollout.arith import TOKENIZER
+        from steadyrl.rollout.masked_lm import resolve_pretrained_masked_lm
 
         a = self.cfg.arith
         return TOKENIZER.mask_token_id if a.pretrained is None else resolve_pretrained_masked_lm(
@@ -39,7 +39,7 @@ class ArithTestbed(Testbed):
     @cached_property
     def codec(self):
         """The character tokenizer, or the real model's (`arith.pretrained`)."""
-        from rollout.text_codec import load_codec
+        from steadyrl.rollout.text_codec import load_codec
 
         a = self.cfg.arith
         return load_codec(a.pretrained, a.trust_remote_code, None if a.pretrained is None else self.mask_token_id)
@@ -51,22 +51,22 @@ class ArithTestbed(Testbed):
         if a.pretrained is not None and (Path(a.pretrained) / "model.safetensors").exists():
             return Path(a.pretrained) / "model.safetensors"  # a local directory written by save_pretrained
         if a.pretrained is not None:
-            from rollout.cache import build_dir_atomically, cache_root, config_key
-            from rollout.masked_lm import load_pretrained_masked_lm
-            from rollout.models import save_weights
+            from steadyrl.rollout.cache import build_dir_atomically, cache_root, config_key
+            from steadyrl.rollout.masked_lm import load_pretrained_masked_lm
+            from steadyrl.rollout.models import save_weights
 
             def build(tmp: Path) -> None:
                 save_weights(load_pretrained_masked_lm(a.pretrained, a.trust_remote_code)[0], tmp / "masked_lm.safetensors")
 
             key = config_key({"pretrained": a.pretrained})
             return build_dir_atomically(cache_root() / "models" / f"pretrained-mlm-{key}", build) / "masked_lm.safetensors"
-        from trainer.pretrain_masked_lm import ensure_pretrained_masked_lm
+        from steadyrl.trainer.pretrain_masked_lm import ensure_pretrained_masked_lm
 
         return ensure_pretrained_masked_lm(self.task, a.model, a.pretrain, progress)
 
     def build_policy(self, weights: dict[str, Tensor]) -> nn.Module:
-        from rollout.arith import TOKENIZER
-        from rollout.masked_lm import (
+        from steadyrl.rollout.arith import TOKENIZER
+        from steadyrl.rollout.masked_lm import (
             masked_lm_from_weights,
             pretrained_architecture_with_weights,
         )
@@ -109,14 +109,14 @@ class ArithTestbed(Testbed):
         """A verifier needs nothing built."""
 
     def reward_spec(self) -> Any:
-        from reward.verifiers import VerifierSpec
+        from steadyrl.reward.verifiers import VerifierSpec
 
         a = self.cfg.arith
         return VerifierSpec(task=a.task, partial_credit=a.partial_credit, tokenizer=a.pretrained,
                             trust_remote_code=a.trust_remote_code)
 
     def reward_ensemble(self) -> RewardEnsemble:
-        from reward.factory import build_reward_model
+        from steadyrl.reward.factory import build_reward_model
 
         spec = self.reward_spec()
         member = build_reward_model(spec)
@@ -128,7 +128,7 @@ class ArithTestbed(Testbed):
         return "exact"
 
     def eval_summary(self, batch: RolloutBatch, scores: EnsembleScores) -> dict[str, Any]:
-        from reward.diversity import nearest_neighbour_distance
+        from steadyrl.reward.diversity import nearest_neighbour_distance
 
         correct = scores.monitors["exact_correct"]
         codec = self.codec

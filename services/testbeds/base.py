@@ -7,9 +7,9 @@ from typing import Any
 
 from torch import Tensor, nn
 
-from reward.ensemble import EnsembleScores, RewardEnsemble
-from rollout.batch import RolloutBatch
-from services.config import TrainConfig
+from steadyrl.reward.ensemble import EnsembleScores, RewardEnsemble
+from steadyrl.rollout.batch import RolloutBatch
+from steadyrl.services.config import TrainConfig
 
 
 class Testbed(ABC):
@@ -95,7 +95,7 @@ class Testbed(ABC):
 
     def rollout_summary(self, batch: RolloutBatch, scores: EnsembleScores) -> dict[str, float]:
         """Scalars of one rollout batch (sample-weighted across workers by the controller)."""
-        from reward.diversity import nearest_neighbour_distance
+        from steadyrl.reward.diversity import nearest_neighbour_distance
 
         gold_score, gold_headline = self.held_out(scores)
         out = {

@@ -15,9 +15,9 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from reward.ensemble import EnsembleScores, RewardEnsemble
-from rollout.batch import RolloutBatch
-from services.testbeds.base import Testbed
+from steadyrl.reward.ensemble import EnsembleScores, RewardEnsemble
+from steadyrl.rollout.batch import RolloutBatch
+from steadyrl.services.testbeds.base import Testbed
 
 
 class TextToImageTestbed(Testbed):
@@ -40,15 +40,15 @@ class TextToImageTestbed(Testbed):
     def info(self):
         """Family, latent shape and scheduler of the pipeline (configs only; read once)."""
         if self._info is None:
-            from rollout.diffusers_pipelines import describe_pipeline
+            from steadyrl.rollout.diffusers_pipelines import describe_pipeline
 
             self._info = describe_pipeline(self.t2i.pretrained)
         return self._info
 
     def _fresh_policy(self):
-        from rollout.diffusers_pipelines import load_denoiser
-        from rollout.lora import add_lora
-        from rollout.text_to_image import DEFAULT_LORA_TARGETS, TextToImagePolicy
+        from steadyrl.rollout.diffusers_pipelines import load_denoiser
+        from steadyrl.rollout.lora import add_lora
+        from steadyrl.rollout.text_to_image import DEFAULT_LORA_TARGETS, TextToImagePolicy
 
         family = self.info.family
         policy = TextToImagePolicy(load_denoiser(self.t2i.pretrained, family, self.t2i.dtype), family,
@@ -64,7 +64,7 @@ class TextToImageTestbed(Testbed):
         once into the cache; only these go through the object store, each actor loads the base by path."""
         from safetensors.torch import save_file
 
-        from rollout.cache import build_dir_atomically, cache_root, config_key
+        from steadyrl.rollout.cache import build_dir_atomically, cache_root, config_key
 
         def build(tmp: Path) -> None:
             state = self._fresh_policy().trainable_state_dict()
@@ -82,9 +82,9 @@ class TextToImageTestbed(Testbed):
     def build_sampler(self):
         from diffusers import DDIMScheduler
 
-        from rollout.config import SchedulerConfig
-        from rollout.ddim import DDIMLogProbSampler
-        from rollout.flow_sde import FlowSDESampler
+        from steadyrl.rollout.config import SchedulerConfig
+        from steadyrl.rollout.ddim import DDIMLogProbSampler
+        from steadyrl.rollout.flow_sde import FlowSDESampler
 
         family, sched, kind = self.info.family, self.info.scheduler, self.cfg.sampler.kind
         wants = "flow_sde" if family in ("sd3", "flux") else "ddim"
@@ -109,7 +109,7 @@ class TextToImageTestbed(Testbed):
     @property
     def splits(self):
         if self._splits is None:
-            from rollout.prompts import build_splits
+            from steadyrl.rollout.prompts import build_splits
 
             self._splits = build_splits(self.t2i.prompts)
         return self._splits
@@ -128,7 +128,7 @@ class TextToImageTestbed(Testbed):
         return self.t2i.prompts.prompts_per_step
 
     def train_prompts(self, worker: int, n_workers: int, step: int) -> tuple[Tensor, int]:
-        from rollout.prompts import step_prompts
+        from steadyrl.rollout.prompts import step_prompts
 
         return step_prompts(self.t2i.prompts, len(self.splits.train), step, worker, n_workers)
 
@@ -143,7 +143,7 @@ class TextToImageTestbed(Testbed):
     def tools(self, policy: nn.Module):
         """The pipeline's text encoders and VAE around `policy`'s denoiser, on its device (loaded on first use)."""
         if self._tools is None:
-            from rollout.diffusers_pipelines import PipelineTools
+            from steadyrl.rollout.diffusers_pipelines import PipelineTools
 
             self._tools = PipelineTools(self.info, policy.net, self.t2i.dtype, self.t2i.resolution,
                                         self.t2i.max_sequence_length)
@@ -194,7 +194,7 @@ class TextToImageTestbed(Testbed):
     def eval_summary(self, batch: RolloutBatch, scores: EnsembleScores) -> dict[str, Any]:
         """Held-out prompts: the held-out reward (`gold_accuracy`, a mean score), per prompt tag; the training
         reward; diversity; and the images for the picture."""
-        from reward.diversity import nearest_neighbour_distance
+        from steadyrl.reward.diversity import nearest_neighbour_distance
 
         held_out = self._held_out(scores)
         by_tag: dict[str, list[float]] = defaultdict(list)
@@ -214,7 +214,7 @@ class TextToImageTestbed(Testbed):
         }
 
     def save_eval(self, result: dict[str, Any], path_stem: Path, title: str) -> None:
-        from services.report import save_image_grid
+        from steadyrl.services.report import save_image_grid
 
         images, captions = result.pop("images"), result.pop("captions")
         if images is not None:

@@ -25,9 +25,9 @@ import torch
 from pydantic import Field
 from torch import Tensor
 
-from rollout.batch import RolloutBatch
-from rollout.config import StrictModel
-from trainer.advantages import group_advantages
+from steadyrl.rollout.batch import RolloutBatch
+from steadyrl.rollout.config import StrictModel
+from steadyrl.trainer.advantages import group_advantages
 
 
 class ObjectiveSettings(StrictModel):

@@ -20,8 +20,8 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-from trainer.objectives.base import PolicyGradientObjective, PolicyGradientSettings, StepInputs, kl_penalty, ratio_metrics
-from trainer.objectives.registry import register
+from steadyrl.trainer.objectives.base import PolicyGradientObjective, PolicyGradientSettings, StepInputs, kl_penalty, ratio_metrics
+from steadyrl.trainer.objectives.registry import register
 
 
 def bgpo_bound(log_ratio: Tensor, adv: Tensor) -> Tensor:

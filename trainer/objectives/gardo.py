@@ -33,13 +33,13 @@ import torch
 from pydantic import Field
 from torch import Tensor
 
-from reward.diversity import cosine_nearest_neighbour_distance
-from reward.uncertainty import rank_difference_uncertainty
-from rollout.batch import RolloutBatch
-from trainer.objectives.base import (LearnerHooks, PolicyGradientObjective, PolicyGradientSettings, StepInputs,
+from steadyrl.reward.diversity import cosine_nearest_neighbour_distance
+from steadyrl.reward.uncertainty import rank_difference_uncertainty
+from steadyrl.rollout.batch import RolloutBatch
+from steadyrl.trainer.objectives.base import (LearnerHooks, PolicyGradientObjective, PolicyGradientSettings, StepInputs,
                                      ratio_metrics)
-from trainer.objectives.grpo import ppo_clip_loss
-from trainer.objectives.registry import register
+from steadyrl.trainer.objectives.grpo import ppo_clip_loss
+from steadyrl.trainer.objectives.registry import register
 
 
 class GARDOCommonSettings(PolicyGradientSettings):

@@ -23,11 +23,11 @@ import torch
 from pydantic import Field
 from torch import Tensor
 
-from reward.uncertainty import kendall_gate_score
-from rollout.batch import RolloutBatch
-from trainer.objectives.base import LearnerHooks
-from trainer.objectives.gardo import GARDOBase, GARDOCommonSettings, aux_scores
-from trainer.objectives.registry import register
+from steadyrl.reward.uncertainty import kendall_gate_score
+from steadyrl.rollout.batch import RolloutBatch
+from steadyrl.trainer.objectives.base import LearnerHooks
+from steadyrl.trainer.objectives.gardo import GARDOBase, GARDOCommonSettings, aux_scores
+from steadyrl.trainer.objectives.registry import register
 
 
 class GARDOSeedSettings(GARDOCommonSettings):

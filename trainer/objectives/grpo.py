@@ -12,9 +12,9 @@ import torch
 from pydantic import Field
 from torch import Tensor
 
-from trainer.objectives.base import (PolicyGradientObjective, PolicyGradientSettings, StepInputs, kl_penalty,
+from steadyrl.trainer.objectives.base import (PolicyGradientObjective, PolicyGradientSettings, StepInputs, kl_penalty,
                                      ratio_metrics)
-from trainer.objectives.registry import register
+from steadyrl.trainer.objectives.registry import register
 
 
 def ppo_clip_loss(ratio: Tensor, adv: Tensor, eps_clip: float) -> Tensor:

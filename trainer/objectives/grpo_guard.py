@@ -49,11 +49,11 @@ from typing import Literal
 from pydantic import Field
 from torch import Tensor
 
-from rollout.sampler import reduce_pixels
-from trainer.objectives.base import (PolicyGradientObjective, PolicyGradientSettings, StepInputs, kl_penalty,
+from steadyrl.rollout.sampler import reduce_pixels
+from steadyrl.trainer.objectives.base import (PolicyGradientObjective, PolicyGradientSettings, StepInputs, kl_penalty,
                                      ratio_metrics)
-from trainer.objectives.grpo import ppo_clip_loss
-from trainer.objectives.registry import register
+from steadyrl.trainer.objectives.grpo import ppo_clip_loss
+from steadyrl.trainer.objectives.registry import register
 
 
 def ratio_norm_bias(new_mean: Tensor, old_mean: Tensor, std: Tensor, step: Tensor, reduce: str,

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Callable, TypeVar
 
-from trainer.objectives.base import Objective, ObjectiveSettings
+from steadyrl.trainer.objectives.base import Objective, ObjectiveSettings
 
 _REGISTRY: dict[str, type[Objective]] = {}
 O = TypeVar("O", bound=type[Objective])

@@ -31,9 +31,9 @@ import torch
 from pydantic import Field
 from torch import Tensor
 
-from rollout.batch import RolloutBatch
-from trainer.objectives.base import ObjectiveSettings, RewardBackpropObjective
-from trainer.objectives.registry import register
+from steadyrl.rollout.batch import RolloutBatch
+from steadyrl.trainer.objectives.base import ObjectiveSettings, RewardBackpropObjective
+from steadyrl.trainer.objectives.registry import register
 
 
 class RewardBackpropSettings(ObjectiveSettings):

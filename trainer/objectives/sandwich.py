@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from rollout.likelihood import SequenceLogProb
+from steadyrl.rollout.likelihood import SequenceLogProb
 
 
 def _mask_rate(mask: Tensor) -> Tensor:

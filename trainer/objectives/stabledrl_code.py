@@ -34,11 +34,11 @@ import torch
 from pydantic import Field
 from torch import Tensor
 
-from rollout.batch import RolloutBatch
-from trainer.objectives.base import (ObjectiveSettings, PolicyGradientObjective, PreparePiece, StepInputs,
+from steadyrl.rollout.batch import RolloutBatch
+from steadyrl.trainer.objectives.base import (ObjectiveSettings, PolicyGradientObjective, PreparePiece, StepInputs,
                                      kl_penalty, ratio_metrics)
-from trainer.objectives.registry import register
-from trainer.objectives.sandwich import eubo_piece, eubo_statistics, sandwich
+from steadyrl.trainer.objectives.registry import register
+from steadyrl.trainer.objectives.sandwich import eubo_piece, eubo_statistics, sandwich
 
 
 def mean_centred_advantages(rewards: Tensor, group: Tensor) -> Tensor:

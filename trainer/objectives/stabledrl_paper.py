@@ -28,9 +28,9 @@ import torch
 from pydantic import Field
 from torch import Tensor
 
-from trainer.objectives.base import (PolicyGradientObjective, PolicyGradientSettings, PreparePiece, StepInputs,
+from steadyrl.trainer.objectives.base import (PolicyGradientObjective, PolicyGradientSettings, PreparePiece, StepInputs,
                                      kl_penalty, ratio_metrics)
-from trainer.objectives.registry import register
+from steadyrl.trainer.objectives.registry import register
 
 
 class StableDRLPaperSettings(PolicyGradientSettings):
