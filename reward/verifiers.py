@@ -24,12 +24,16 @@ from steadyrl.rollout.text_codec import TextCodec, load_codec
 
 FEATURE_BUCKETS = 1024
 
-ADDITION_PROMPT = re.compile(r"^(\d+)\+(\d+)=$")
+ADDITION_PROMPT = re.compile(r"^([0-9]+)\+([0-9]+)=$")  # ASCII: "²".isdigit() holds, int("²") raises
+DECIMAL = re.compile(r"[0-9]+")
+MAX_DIGITS = 1000  # longer numbers score 0: far past any task, and under Python's int-parsing limit (4300)
 
 
 def verify_addition(prompt: str, completion: str) -> float:
     m = ADDITION_PROMPT.match(prompt)
-    if m is None or not completion.isdigit() or (len(completion) > 1 and completion[0] == "0"):
+    if m is None or not DECIMAL.fullmatch(completion) or (len(completion) > 1 and completion[0] == "0"):
+        return 0.0
+    if max(len(completion), *map(len, m.groups())) > MAX_DIGITS:
         return 0.0
     return float(int(completion) == int(m.group(1)) + int(m.group(2)))
 

@@ -1,4 +1,5 @@
-"""Ray actors: rollout workers (sampling + reward scoring via Serve) and the DeepSpeed learner."""
+"""Rollout workers: Ray actors that sample with a policy copy and score through the Serve reward ensemble
+(the learner ranks are in `learner_group`)."""
 from __future__ import annotations
 
 import os
@@ -13,14 +14,13 @@ from ray import serve
 from steadyrl.reward.ensemble import attach_scores
 from steadyrl.rollout.batch import RolloutBatch
 from steadyrl.rollout.policy import load_trainable_state
-from steadyrl.services.builders import build_learner
 from steadyrl.services.config import TrainConfig
 from steadyrl.services.reward_app import APP_NAME
-from steadyrl.services.runtime import redirect_output, set_rank_env
+from steadyrl.services.runtime import redirect_output
 from steadyrl.services.testbeds import build_testbed
 
 
-def _setup_process(cfg: TrainConfig, log_file: Path) -> None:
+def setup_process(cfg: TrainConfig, log_file: Path) -> None:
     redirect_output(log_file)
     torch.set_num_threads(cfg.ray.torch_threads or os.cpu_count() or 1)
 
@@ -47,7 +47,7 @@ class RolloutWorker:
     def __init__(self, cfg: dict[str, Any], base_weights: dict[str, torch.Tensor], index: int, n_workers: int,
                  run_dir: str):
         self.cfg = TrainConfig.model_validate(cfg)
-        _setup_process(self.cfg, Path(run_dir) / "logs" / f"rollout_{index}.log")
+        setup_process(self.cfg, Path(run_dir) / "logs" / f"rollout_{index}.log")
         self.index, self.n_workers = index, n_workers
         self.testbed = build_testbed(self.cfg)
         self.device = actor_device(self.cfg.ray.rollout_gpus)
@@ -89,37 +89,3 @@ class RolloutWorker:
                                     self.testbed.eval_per_prompt, gen)
         batch, scores = self._score(batch)
         return self.testbed.eval_summary(batch, scores)
-
-
-@ray.remote
-class LearnerActor:
-    """Hosts the DeepSpeed engine (rank 0 of a world of 1 for now; an actor group later)."""
-
-    def __init__(self, cfg: dict[str, Any], base_weights: dict[str, torch.Tensor], run_dir: str, master_port: int,
-                 rank: int = 0, world_size: int = 1):
-        self.cfg = TrainConfig.model_validate(cfg)
-        _setup_process(self.cfg, Path(run_dir) / "logs" / f"learner_{rank}.log")
-        set_rank_env(master_port, rank, world_size)
-        torch.manual_seed(self.cfg.run.seed)
-        if actor_device(self.cfg.ray.learner_gpus).type == "cuda":  # fails clearly when torch sees no GPU
-            os.environ["DS_ACCELERATOR"] = "cuda"  # before DeepSpeed first picks its accelerator
-        testbed = build_testbed(self.cfg)
-        self.learner = build_learner(self.cfg, testbed.build_policy(base_weights).train(), testbed.build_sampler())
-
-    def ready(self) -> bool:
-        return True
-
-    def update(self, *batches: RolloutBatch) -> dict[str, float]:
-        t0 = time.perf_counter()
-        metrics = self.learner.update(RolloutBatch.concat(batches))
-        metrics["timing_s/update"] = time.perf_counter() - t0
-        return metrics
-
-    def weights(self) -> dict[str, torch.Tensor]:
-        return self.learner.weights()
-
-    def save(self, directory: str) -> None:
-        self.learner.save(Path(directory))
-
-    def load(self, directory: str) -> None:
-        self.learner.load(Path(directory))

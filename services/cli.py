@@ -81,25 +81,41 @@ def pretrain(args: list[str] = typer.Argument(None, help="[CONFIG] key.sub=value
 @app.command("serve-reward")
 def serve_reward(
     args: list[str] = typer.Argument(None, help="[CONFIG] key.sub=value ..."),
-    host: str = typer.Option("127.0.0.1", help="address the HTTP proxy binds"),
-    port: int = typer.Option(8000, help="HTTP port (0 picks a free one)"),
+    host: Optional[str] = typer.Option(None, help="address the HTTP proxy binds (default serve.host, 127.0.0.1: "
+                                       "this machine only; 0.0.0.0 exposes it to the network)"),
+    port: Optional[int] = typer.Option(None, help="HTTP port (default serve.port, 8000; 0 picks a free one)"),
 ) -> None:
     """Start the reward-ensemble Serve application alone and serve it until Ctrl-C."""
     from ray import serve
 
-    from steadyrl.services.reward_app import ROUTE_PREFIX, deploy_reward_app
+    from steadyrl.services.reward_app import HEALTH_ROUTE, MODELS_ROUTE, ROUTE_PREFIX, SCORE_ROUTE, deploy_reward_app
     from steadyrl.services.runtime import init_ray, start_serve
     from steadyrl.services.testbeds import build_testbed
 
-    _, _, cfg = _load((args or []) + [f"serve.host={host}", f"serve.port={port}"])
+    extra = ([f"serve.host={host}"] if host is not None else []) + ([f"serve.port={port}"] if port is not None else [])
+    _, _, cfg = _load((args or []) + extra)
+    s = cfg.serve
+    try:
+        auth = s.auth_token() is not None  # fail here, before Ray starts, if the named token is missing
+    except ValueError as err:
+        _fail(str(err))
     testbed = build_testbed(cfg)
     testbed.prepare_rewards()
     init_ray(cfg.ray.address, cfg.ray.num_cpus)
-    _, bound = start_serve(cfg.serve)
-    deploy_reward_app(testbed.reward_spec(), cfg.serve)
-    base = f"http://{cfg.serve.host}:{bound}{ROUTE_PREFIX}"
-    route = {"arith": "score_text", "text_to_image": "score_images"}.get(cfg.testbed, "score")
-    console.print(f"reward ensemble ready: POST {base}/{route}   GET {base}/healthz   docs {base}/docs")
+    _, bound = start_serve(s)
+    deploy_reward_app(testbed.reward_spec(), s)
+    base = f"http://{s.host}:{bound}{ROUTE_PREFIX}"
+    where = "this machine only" if s.host in ("127.0.0.1", "localhost", "::1") else "reachable from the network"
+    token = (f"needs `Authorization: Bearer <token>` (token from "
+             f"{'$' + s.auth_token_env if s.auth_token_env else s.auth_token_file})" if auth else "no token needed")
+    lines = [f"reward ensemble ({cfg.testbed}) on {s.host}:{bound} ({where}); {token}",
+             f"  POST {base}{SCORE_ROUTE}    score samples (at most {s.max_request_samples} per request, "
+             f"bodies up to {s.max_body_bytes} bytes)",
+             f"  GET  {base}{MODELS_ROUTE}   the reward models",
+             f"  GET  {base}{HEALTH_ROUTE}      health (open without a token)",
+             f"  docs {base}/docs         OpenAPI: {base}/openapi.json"]
+    for line in lines:
+        console.print(line, soft_wrap=True, highlight=False, markup=False)
     sys.stdout.flush()
     try:
         while True:

@@ -77,13 +77,62 @@ class TextToImageConfig(StrictModel):
 
 
 class ServeConfig(StrictModel):
-    host: str = "127.0.0.1"
+    """The reward ensemble's Serve application: where its HTTP proxy listens, what its replicas reserve, how
+    they batch, and the limits of its REST API (services/reward_app.py)."""
+
+    host: str = Field("127.0.0.1", description="address Serve's HTTP proxy binds: loopback, so the REST API is "
+                      "not reachable from the network unless asked for (0.0.0.0 in a cluster pod)")
     port: int = Field(8000, ge=0, le=65535, description="0 picks a free port")
     replica_cpus: float = Field(0.1, gt=0, le=0.25, description="CPUs per reward replica")
     replica_gpus: float = Field(0.25, ge=0, le=1, description="GPU share Ray reserves for each reward replica "
                                 "whose model runs on cuda (`device: cuda`); CPU models reserve none")
-    max_batch_size: int = Field(256, ge=1)
-    batch_wait_timeout_s: float = Field(0.005, ge=0)
+    batching: bool = Field(True, description="group concurrent calls to one reward model into one forward pass "
+                           "(`@serve.batch`): fewer, larger passes under load; off: each call is scored on its own "
+                           "(benchmarks/reward_load.py compares the two)")
+    max_batch_size: int = Field(256, ge=1, description="most calls `@serve.batch` groups into one forward pass")
+    batch_wait_timeout_s: float = Field(0.005, ge=0, description="how long a batch waits for more calls: "
+                                        "latency traded for larger batches")
+    max_ongoing_requests: int = Field(32, ge=1, description="calls one replica works on at once; a batch can "
+                                      "only group calls in flight together (Serve's default, 5, caps it at 5)")
+    max_request_samples: int = Field(256, ge=1, description="samples per REST request; more get a 422 naming "
+                                     "`samples`: bounds one request's latency and memory (20,000 digits took 7 s). "
+                                     "The in-cluster handle training uses is not limited")
+    max_body_bytes: int = Field(16 * 2**20, ge=1024, description="largest REST request body; larger get a 413 "
+                                "before any JSON is parsed (a JSON body is decoded whole in memory)")
+    auth_token_env: str | None = Field(None, description="name of an environment variable holding a bearer "
+                                       "token; then every REST route but /healthz and the docs needs "
+                                       "`Authorization: Bearer <token>` (401 otherwise). Read where the app is "
+                                       "deployed; only its SHA-256 reaches the replicas, and nothing logs it")
+    auth_token_file: str | None = Field(None, description="a file holding the bearer token (e.g. a mounted "
+                                        "Kubernetes secret): the alternative to auth_token_env")
+
+    @model_validator(mode="after")
+    def _one_token_source(self) -> "ServeConfig":
+        if self.auth_token_env and self.auth_token_file:
+            raise ValueError("set serve.auth_token_env or serve.auth_token_file, not both")
+        return self
+
+    def auth_token(self) -> str | None:
+        """The bearer token the REST API requires (None: no auth); a named source that is unset or empty is an
+        error, so a typo never silently turns auth off."""
+        import os
+
+        if self.auth_token_env:
+            token = os.environ.get(self.auth_token_env, "").strip()
+            if not token:
+                raise ValueError(f"serve.auth_token_env={self.auth_token_env!r}: that environment variable is "
+                                 "unset or empty")
+            return token
+        if self.auth_token_file:
+            path = Path(self.auth_token_file).expanduser()
+            try:
+                token = path.read_text().strip()
+            except OSError as err:
+                raise ValueError(f"serve.auth_token_file={str(path)!r}: cannot read it ({err.strerror})") from None
+            if not token:
+                raise ValueError(f"serve.auth_token_file={str(path)!r} is empty")
+            return token
+        return None
 
 
 class RayConfig(StrictModel):
@@ -96,6 +145,12 @@ class RayConfig(StrictModel):
     learner_gpus: float = Field(0, ge=0, description="GPUs the learner asks Ray for; > 0 runs DeepSpeed on cuda "
                                 "(NCCL) instead of the CPU (gloo)")
     torch_threads: int | None = Field(None, ge=1, description="None = all cores (phases run one after another)")
+    learner_placement: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = Field(
+        "PACK", description="placement-group strategy of the learner ranks: PACK keeps them on as few nodes as "
+        "possible (NCCL within a node is fastest); STRICT_SPREAD puts one rank per node")
+    placement_timeout_s: float = Field(600, gt=0, description="how long to wait for a placement group's resources "
+                                       "(GPUs, CPUs) before failing with what could not be placed, instead of "
+                                       "hanging on a cluster that cannot provide them")
 
 
 class RunConfig(StrictModel):

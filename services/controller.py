@@ -22,11 +22,12 @@ from rich.table import Table
 from safetensors.torch import load_file
 
 from steadyrl.rollout.cache import write_text_atomically
-from steadyrl.services.actors import LearnerActor, RolloutWorker
+from steadyrl.services.actors import RolloutWorker
 from steadyrl.services.config import TrainConfig, dump_config, load_config
 from steadyrl.services.report import MetricsWriter, read_metrics, save_curves
 from steadyrl.services.reward_app import APP_NAME, ROUTE_PREFIX, deploy_reward_app
-from steadyrl.services.runtime import free_port, init_ray, start_serve
+from steadyrl.services.learner_group import LearnerGroup
+from steadyrl.services.runtime import init_ray, start_serve
 from steadyrl.services.testbeds import build_testbed
 
 CHECKPOINTS = "checkpoints"
@@ -84,8 +85,7 @@ class Controller:
             cfg_dict = cfg.model_dump(mode="json")
             # the base weights travel through the object store: no node but the driver's needs the cache
             base_weights = ray.put(load_file(str(self.base_model)))
-            self.learner = LearnerActor.options(num_cpus=cfg.ray.actor_cpus, num_gpus=cfg.ray.learner_gpus).remote(
-                cfg_dict, base_weights, str(self.run_dir), free_port())
+            self.learner = LearnerGroup(cfg, base_weights, self.run_dir)
             n = cfg.ray.rollout_workers
             self.workers = [
                 RolloutWorker.options(num_cpus=cfg.ray.actor_cpus, num_gpus=cfg.ray.rollout_gpus).remote(
@@ -93,7 +93,7 @@ class Controller:
                 for i in range(n)
             ]
             # wait until every actor is up (surfaces init errors here, not at the first step)
-            ray.get([a.ready.remote() for a in [self.learner, *self.workers]])
+            ray.get([*self.learner.ready(), *[w.ready.remote() for w in self.workers]])
         self.reward_url = f"http://{cfg.serve.host}:{self.port}{ROUTE_PREFIX}"
         write_text_atomically(self.run_dir / "endpoints.json", json.dumps({"reward": self.reward_url}))
         if cfg.run.progress:
@@ -107,8 +107,10 @@ class Controller:
         if self._ray_mode == "local":
             ray.shutdown()  # the whole local Ray goes, Serve and every actor with it
             return
-        for actor in getattr(self, "workers", []) + ([self.learner] if hasattr(self, "learner") else []):
+        for actor in getattr(self, "workers", []):
             ray.kill(actor)
+        if hasattr(self, "learner"):
+            self.learner.kill()
         if self._started_serve:  # Serve is detached: on a shared cluster it would outlive the job
             serve.shutdown()
         elif APP_NAME in serve.status().applications:  # the app may never have been deployed
@@ -119,7 +121,7 @@ class Controller:
     # ---------------------------------------------------------------- pieces of a step
     def sync_weights(self) -> float:
         t0 = time.perf_counter()
-        weights = self.learner.weights.remote()  # an ObjectRef: the driver never fetches the tensors
+        weights = self.learner.weights()  # an ObjectRef: the driver never fetches the tensors
         ray.get([w.set_weights.remote(weights) for w in self.workers])
         return time.perf_counter() - t0
 
@@ -139,7 +141,7 @@ class Controller:
         tmp = root / f".step_{step}.tmp"
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
-        ray.get(self.learner.save.remote(str(tmp)))
+        self.learner.save(str(tmp))
         (tmp / "controller.json").write_text(json.dumps({"step": step, "evals": len(self.evals)}))
         shutil.rmtree(final, ignore_errors=True)
         os.rename(tmp, final)
@@ -150,7 +152,7 @@ class Controller:
         ckpt = latest_checkpoint(self.run_dir)
         if ckpt is None:
             raise FileNotFoundError(f"no checkpoint to resume from in {self.run_dir / CHECKPOINTS}")
-        ray.get(self.learner.load.remote(str(ckpt)))
+        self.learner.load(str(ckpt))
         state = json.loads((ckpt / "controller.json").read_text())
         evals_path = self.run_dir / "evals.json"
         self.evals = json.loads(evals_path.read_text())[: state["evals"]] if evals_path.exists() else []
@@ -191,9 +193,9 @@ class Controller:
                     t0 = time.perf_counter()
                     outs = [w.generate.remote(step) for w in self.workers]
                     batch_refs = [o[0] for o in outs]
-                    metrics_ref = self.learner.update.remote(*batch_refs)
+                    metrics_refs = self.learner.update(*batch_refs)
                     summaries = ray.get([o[1] for o in outs])
-                    metrics = ray.get(metrics_ref)
+                    metrics = ray.get(metrics_refs)[0]  # every rank's, equal: rank 0's
                     metrics["timing_s/sync"] = self.sync_weights()
                     metrics.update(merge_summaries(summaries))
                     metrics["timing_s/step"] = time.perf_counter() - t0

@@ -1,5 +1,5 @@
 """The text-to-image reward ensemble (`ImageRewardConfig`) as a real Ray Serve application over HTTP on
-127.0.0.1 (POST /score_images) and by handle (`score_tensors`), against the same models in-process.
+127.0.0.1 (POST /v1/score, records tagged "text_to_image") and by handle (`score_tensors`), against the same models in-process.
 
 Tiny random CLIPs are built offline (tests/tiny_models.py). The app is deployed under its own name and route
 prefix, so the digits app the other Serve tests use stays as it is, and is deleted at the end.
@@ -150,17 +150,18 @@ def test_deployment_health_check_and_info_for_each_kind(cfg):
 
 
 def test_png_round_trip_is_exact_in_model_space():
-    from steadyrl.services.reward_app import ImageScoreRequest, decode_png, encode_png
+    from steadyrl.services.reward_app import TextToImageRequest, decode_png, encode_png
 
     px = pixels(2, 24, 40, seed=5)
     assert torch.equal(torch.from_numpy(decode_png(encode_png(model_space(px)[0]))).permute(2, 0, 1), px[0])
     grey = io.BytesIO()
     Image.fromarray(px[1, 0].numpy()).save(grey, format="PNG")  # grey PNGs come back as RGB
-    req = ImageScoreRequest(images=[png_b64(px[0]), "data:image/png;base64," + base64.b64encode(
-        grey.getvalue()).decode()], prompts=["a", "b"])
-    x, prompts, group = req.tensors()
+    req = TextToImageRequest(samples=[{"image": png_b64(px[0]), "prompt": "a"}, {"image": "data:image/png;base64,"
+                                      + base64.b64encode(grey.getvalue()).decode(), "prompt": "b"}])
+    batch = req.batch()
+    x = batch.samples
     assert torch.equal(x[0], model_space(px[0])) and torch.equal(x[1], model_space(px[1, :1]).expand(3, -1, -1))
-    assert prompts == ["a", "b"] and group is None
+    assert batch.cond == ["a", "b"] and batch.group.tolist() == [0, 0]
 
 
 # -------------------------------------------------------------------------------- over HTTP and handle
@@ -169,8 +170,9 @@ def test_png_round_trip_is_exact_in_model_space():
 def test_score_images_over_http_matches_the_in_process_ensemble(images_url, ensemble):
     px = pixels(6, seed=10)
     group = [0, 0, 0, 1, 1, 1]
-    body = {"images": [png_b64(img) for img in px], "prompts": PROMPTS, "group": group}
-    resp = httpx.post(f"{images_url}/score_images", json=body, timeout=120)
+    body = {"kind": "text_to_image", "samples": [{"image": png_b64(img), "prompt": p, "group": g}
+                                                 for img, p, g in zip(px, PROMPTS, group)]}
+    resp = httpx.post(f"{images_url}/v1/score", json=body, timeout=120)
     assert resp.status_code == 200, resp.text
     out = resp.json()
     ref = ensemble.score_all(model_space(px), PROMPTS, torch.tensor(group))
@@ -186,8 +188,8 @@ def test_score_images_over_http_matches_the_in_process_ensemble(images_url, ense
 
 def test_non_square_images_and_no_group_over_http(images_url, ensemble):
     px = pixels(3, 40, 56, seed=11)  # resized and center-cropped by the CLIP preprocessing
-    resp = httpx.post(f"{images_url}/score_images", json={"images": [png_b64(i) for i in px],
-                                                           "prompts": PROMPTS[:3]}, timeout=120)
+    resp = httpx.post(f"{images_url}/v1/score", json={"samples": [{"image": png_b64(i), "prompt": p}
+                                                               for i, p in zip(px, PROMPTS)]}, timeout=120)
     assert resp.status_code == 200, resp.text
     ref = ensemble.score_all(model_space(px), PROMPTS[:3])
     assert close(resp.json()["scores"], ref.scores) and close(resp.json()["monitors"]["aesthetic"],
@@ -200,26 +202,39 @@ def _bad_bodies() -> list:
     truncated = base64.b64encode(base64.b64decode(ok)[:60]).decode()
     jpeg = io.BytesIO()
     Image.new("RGB", (8, 8)).save(jpeg, format="JPEG")
+
+    def recs(*images: str, prompts: tuple = ("a", "b", "c")) -> list[dict]:
+        return [{"image": img, "prompt": p} for img, p in zip(images, prompts)]
+
     return [
-        ({"images": [ok, "not base64!"], "prompts": ["a", "b"]}, "images[1]"),
-        ({"images": [ok, ok, truncated], "prompts": ["a", "b", "c"]}, "images[2]"),
-        ({"images": [base64.b64encode(jpeg.getvalue()).decode()], "prompts": ["a"]}, "images[0]"),
-        ({"images": [ok, other], "prompts": ["a", "b"]}, "images"),
-        ({"images": [ok, ok], "prompts": ["a"]}, "prompts"),
-        ({"images": [ok], "prompts": ["a"], "group": [0, 1]}, "group"),
-        ({"images": [], "prompts": []}, "images"),
-        ({"images": [ok], "prompts": [3]}, "prompts"),
-        ({"images": [ok], "prompts": ["a"], "cond": [1]}, "cond"),
+        ({"samples": recs(ok, "not base64!")}, "samples.1.image"),
+        ({"samples": recs(ok, ok, truncated)}, "samples.2.image"),
+        ({"samples": recs(base64.b64encode(jpeg.getvalue()).decode())}, "samples.0.image"),
+        ({"samples": recs(ok, other)}, "samples.image: all images in one request must have the same size"),
+        ({"samples": [{"image": ok}]}, "samples.0.prompt"),
+        ({"samples": [{"image": ok, "prompt": "a", "group": "x"}]}, "samples.0.group"),
+        ({"samples": []}, "samples"),
+        ({"samples": [{"image": ok, "prompt": 3}]}, "samples.0.prompt"),
+        ({"samples": recs(ok), "cond": [1]}, "cond"),
+        ({"kind": "digits", "samples": recs(ok)}, "kind"),
     ]
 
 
-@pytest.mark.parametrize("index", range(9))
+@pytest.mark.parametrize("index", range(10))
 def test_bad_image_requests_get_422_naming_the_field(images_url, index):
     body, field = _bad_bodies()[index]
-    resp = httpx.post(f"{images_url}/score_images", json=body, timeout=60)
+    resp = httpx.post(f"{images_url}/v1/score", json=body, timeout=60)
     assert resp.status_code == 422, resp.text
     detail = resp.json()["detail"]
-    assert any(field in ".".join(map(str, e["loc"])) or field in e["msg"] for e in detail), detail
+    assert any(".".join(map(str, e["loc"])).startswith(f"body.{field}") or field in e["msg"] for e in detail), detail
+
+
+def test_deprecated_parallel_arrays_still_score_and_share_the_lengths_check(images_url):
+    ok = png_b64(pixels(1)[0])
+    resp = httpx.post(f"{images_url}/score_images", json={"images": [ok, ok], "prompts": ["a", "b"]}, timeout=60)
+    assert resp.status_code == 200 and len(resp.json()["reward"]) == 2
+    bad = httpx.post(f"{images_url}/score_images", json={"images": [ok, ok], "prompts": ["a"]}, timeout=60)
+    assert bad.status_code == 422 and "prompts has 1 entries but images has 2" in bad.text
 
 
 def test_oversized_image_is_refused(images_url):
@@ -227,24 +242,29 @@ def test_oversized_image_is_refused(images_url):
 
     buf = io.BytesIO()
     Image.new("RGB", (MAX_IMAGE_SIDE + 1, 1)).save(buf, format="PNG")  # tiny file, absurd side
-    body = {"images": [base64.b64encode(buf.getvalue()).decode()], "prompts": ["a"]}
-    resp = httpx.post(f"{images_url}/score_images", json=body, timeout=60)
-    assert resp.status_code == 422 and "images[0]" in resp.text and str(MAX_IMAGE_SIDE) in resp.text
+    body = {"samples": [{"image": base64.b64encode(buf.getvalue()).decode(), "prompt": "a"}]}
+    resp = httpx.post(f"{images_url}/v1/score", json=body, timeout=60)
+    assert resp.status_code == 422 and str(MAX_IMAGE_SIDE) in resp.text
+    assert resp.json()["detail"][0]["loc"] == ["body", "samples", 0, "image"]
 
 
 def test_other_routes_answer_400_and_healthz_openapi_describe_the_app(images_url):
     wrong = httpx.post(f"{images_url}/score", json={"samples": [[[0.0] * 8] * 8], "cond": [1]}, timeout=60)
-    assert wrong.status_code == 400 and "/score_images" in wrong.text
+    assert wrong.status_code == 400 and "/v1/score" in wrong.text and "/score_images" in wrong.text
     health = httpx.get(f"{images_url}/healthz", timeout=60).json()
     assert health["testbed"] == "text_to_image" and health["members"] == ["clip", "jpeg"]
     assert health["monitors"] == ["aesthetic"] and health["feature_model"] == "clip"
     assert {(m["name"], m["kind"]) for m in health["models"]} == {("clip", "clip_score"), ("jpeg", "jpeg"),
                                                                    ("aesthetic", "aesthetic")}
+    models = httpx.get(f"{images_url}/v1/models", timeout=60).json()["models"]
+    assert [(m["name"], m["role"], m["trained_on"]) for m in models] == [
+        ("clip", "member", True), ("jpeg", "member", True), ("aesthetic", "monitor", False)]  # train_on: mean
     spec = httpx.get(f"{images_url}/openapi.json", timeout=60).json()
-    assert "/score_images" in spec["paths"]
-    images = spec["components"]["schemas"]["ImageScoreRequest"]["properties"]["images"]
-    assert images["type"] == "array" and images["items"]["type"] == "string"
-    assert images["items"]["contentMediaType"] == "image/png"
+    assert set(spec["paths"]) == {"/v1/score", "/v1/models", "/healthz"}
+    schemas = spec["components"]["schemas"]
+    assert schemas["TextToImageRequest"]["properties"]["kind"]["const"] == "text_to_image"
+    image = schemas["TextToImageSample"]["properties"]["image"]
+    assert image["type"] == "string" and image["contentMediaType"] == "image/png"
 
 
 def test_in_cluster_handle_gives_the_same_numbers(images_url, ensemble):

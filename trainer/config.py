@@ -37,9 +37,14 @@ class LearnerConfig(StrictModel):
     inner_epochs: int = Field(2, ge=1)
     micro_batch_size: int = Field(32, ge=1, description="samples per forward/backward (memory)")
     optim_batch_size: int | None = Field(
-        None, ge=1, description="samples per optimiser step (the optimisation batch; a multiple of "
-        "micro_batch_size); None = micro_batch_size. Whole-step normalisers run over this batch.")
-    backend: Literal["gloo", "nccl"] = "gloo"
+        None, ge=1, description="samples per optimiser step over all ranks (the optimisation batch; a multiple of "
+        "micro_batch_size x ranks); None = micro_batch_size x ranks. Whole-step normalisers run over this batch.")
+    ranks: int = Field(1, ge=1, description="data-parallel DeepSpeed ranks, one learner actor each in a placement "
+                       "group: each trains on its share of the prompt groups and the gradients are all-reduced, so "
+                       "a step's update is the 1-rank update of the same batch (to float summation order)")
+    backend: Literal["auto", "gloo", "nccl"] = Field(
+        "auto", description="collective backend of the ranks; auto: NCCL when DeepSpeed's accelerator is cuda, "
+        "else gloo (the CPU)")
     logp_alarm: float = Field(1e-3, gt=0, description="warn when |recomputed - rollout old logp| exceeds this")
     balanced: BalancedGradientConfig = Field(
         default_factory=BalancedGradientConfig,
@@ -50,11 +55,13 @@ class LearnerConfig(StrictModel):
         if self.balanced.module_grad_scaling and self.zero_stage > 0:
             raise ValueError("learner.balanced.module_grad_scaling needs zero_stage=0 (ZeRO 1-3 partition the "
                              "gradients: each module's norm is not on one rank's parameters)")
-        if self.optim_batch_size is not None and self.optim_batch_size % self.micro_batch_size:
+        per_step = self.micro_batch_size * self.ranks
+        if self.optim_batch_size is not None and self.optim_batch_size % per_step:
             raise ValueError(f"optim_batch_size={self.optim_batch_size} must be a multiple of "
-                             f"micro_batch_size={self.micro_batch_size}")
+                             f"micro_batch_size x ranks = {self.micro_batch_size} x {self.ranks}")
         return self
 
     @property
     def micro_per_optim_step(self) -> int:
-        return (self.optim_batch_size or self.micro_batch_size) // self.micro_batch_size
+        """Micro-batches each rank accumulates per optimiser step."""
+        return (self.optim_batch_size or self.micro_batch_size * self.ranks) // (self.micro_batch_size * self.ranks)

@@ -24,6 +24,7 @@ optimisation step (from the learner's checkpointed generator); the old policy ke
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 from collections import defaultdict
@@ -42,6 +43,8 @@ from steadyrl.rollout.sampler import GaussianStepSampler, StepLogProb
 from steadyrl.trainer.balanced_gradient import (DualMomentum, RollingQuantileClipper, apply_module_precision,
                                       enable_activation_checkpointing, scale_module_gradients)
 from steadyrl.trainer.config import LearnerConfig
+from steadyrl.trainer.distributed import (all_gather, gather_pieces, group_shares, micro_batch_count, reduce_metrics,
+                                          split_into, world)
 from steadyrl.trainer.objectives import (ObjectiveSettings, PolicyGradientObjective, PreparePiece, RewardBackpropObjective,
                                 StepInputs, build_objective)
 
@@ -71,6 +74,15 @@ def deepspeed_config(cfg: LearnerConfig) -> dict[str, Any]:
         del out["optimizer"]
         out["zero_allow_untested_optimizer"] = True
     return out
+
+
+def communication_backend(name: str) -> str:
+    """`auto`: NCCL when DeepSpeed's accelerator is cuda (DS_ACCELERATOR), gloo on the CPU."""
+    if name != "auto":
+        return name
+    from deepspeed.accelerator import get_accelerator
+
+    return "nccl" if get_accelerator().device_name() == "cuda" else "gloo"
 
 
 @dataclass
@@ -149,7 +161,11 @@ class DeepSpeedLearner:
         self.advantage_clipper = (RollingQuantileClipper(balanced.quantile, balanced.quantile_window)
                                   if balanced.advantage_quantile_clip else None)
         if not torch.distributed.is_initialized():
-            deepspeed.init_distributed(dist_backend=learner_cfg.backend)
+            deepspeed.init_distributed(dist_backend=communication_backend(learner_cfg.backend))
+        self.rank, self.world_size = world()
+        if self.world_size != learner_cfg.ranks:
+            raise ValueError(f"learner.ranks={learner_cfg.ranks} but this process group has {self.world_size} "
+                             "rank(s) (WORLD_SIZE)")
         params = [p for p in policy.parameters() if p.requires_grad]
         optimizer = None
         if balanced.dual_momentum:
@@ -161,7 +177,7 @@ class DeepSpeedLearner:
         self.device = self.engine.device  # the accelerator DeepSpeed placed the policy on (cpu under gloo)
         self.reference.to(self.device)
         self.adapters_only = bool(getattr(policy, "adapters_only", False))
-        self.generator = torch.Generator().manual_seed(seed)
+        self.generator = torch.Generator().manual_seed(seed + self.rank)  # rank 0 draws as a 1-rank learner
         self.updates = 0
         self._pre_clip_norm: float | None = None
         self._module_scales: dict[str, float] = {}
@@ -174,15 +190,26 @@ class DeepSpeedLearner:
     @torch.no_grad()
     def reset_reference(self) -> None:
         """Hard-copy the current policy's trained tensors (whole network, or adapters) into the reference."""
-        load_trainable_state(self.reference, trainable_state(self.policy))
+        with self.gathered():
+            load_trainable_state(self.reference, trainable_state(self.policy))
 
     @torch.no_grad()
     def ema_reference(self, decay: float) -> None:
         """ref <- decay * ref + (1 - decay) * policy (floating-point trained tensors)."""
-        current = trainable_state(self.policy)
-        for k, v in trainable_state(self.reference).items():
-            if v.is_floating_point():
-                v.mul_(decay).add_(current[k].to(device=v.device, dtype=v.dtype), alpha=1 - decay)
+        with self.gathered():
+            current = trainable_state(self.policy)
+            for k, v in trainable_state(self.reference).items():
+                if v.is_floating_point():
+                    v.mul_(decay).add_(current[k].to(device=v.device, dtype=v.dtype), alpha=1 - decay)
+
+    def gathered(self) -> contextlib.AbstractContextManager:
+        """Under ZeRO-3 each rank holds a shard of every parameter: this context gathers the full tensors (a
+        collective: every rank must enter it); a no-op for stages 0-2."""
+        if self.cfg.zero_stage != 3:
+            return contextlib.nullcontext()
+        import deepspeed
+
+        return deepspeed.zero.GatheredParameters(list(self.policy.parameters()), modifier_rank=None)
 
     # ------------------------------------------------------------------ the update
     @torch.no_grad()
@@ -247,12 +274,15 @@ class DeepSpeedLearner:
             batch = batch.index(torch.nonzero(finite).flatten())
         if len(batch) == 0:
             raise ValueError("no sample in the batch has a finite reward")
-        batch, metrics = self.objective.prepare_batch(batch)
+        batch, metrics = self.objective.prepare_batch(batch)  # on the whole batch, identically on every rank
         if self.advantage_clipper is not None and batch.advantages is not None:
             batch = batch.replace(advantages=self.advantage_clipper(batch.advantages))
             metrics["balanced/adv_clip_q"] = float(self.advantage_clipper.last_q)
-        perm = torch.randperm(len(batch), generator=self.generator)
-        micro = [mb.to(device=self.device) for mb in batch.index(perm).split(self.cfg.micro_batch_size)]
+        shares = group_shares(batch, self.world_size)  # then each rank trains on its own prompt groups
+        mine = batch.index(shares[self.rank])
+        perm = torch.randperm(len(mine), generator=self.generator)
+        count = micro_batch_count([len(s) for s in shares], self.cfg.micro_batch_size)
+        micro = [mb.to(device=self.device) for mb in split_into(mine.index(perm), count, self.cfg.micro_batch_size)]
         olds, recompute_metrics = self._recompute_old(micro)
         metrics.update(recompute_metrics)
         k = self.cfg.micro_per_optim_step
@@ -272,6 +302,7 @@ class DeepSpeedLearner:
                     grad_norms.append(norm)
         self.updates += 1
         metrics.update(sums.result())
+        metrics = reduce_metrics(metrics)  # every rank's objective state then moves alike
         metrics.update(self.objective.after_update(self, metrics))
         metrics.update({
             "policy/grad_norm": sum(grad_norms) / max(1, len(grad_norms)),
@@ -286,10 +317,21 @@ class DeepSpeedLearner:
             metrics["balanced/module_scale_min"] = min(self._module_scales.values())
         return metrics
 
+    def _step_extent(self, local: int) -> tuple[int, int]:
+        """(samples in this optimisation step on all ranks, samples of it on lower ranks)."""
+        if self.world_size == 1:
+            return local, 0
+        counts = all_gather(local)
+        return sum(counts), sum(counts[: self.rank])
+
     def _backward(self, loss: Tensor, last: bool) -> None:
-        """Back-propagate one piece; on the last piece of an optimisation step, step the optimiser."""
+        """Back-propagate one piece; on the last piece of an optimisation step, step the optimiser.
+
+        Pieces carry the whole step's normalisers (all ranks' terms); DeepSpeed's all-reduce averages the
+        ranks' gradients, so each rank scales its loss by the world size: the step's gradient is the sum over
+        every piece, as on one rank."""
         self.engine.set_gradient_accumulation_boundary(last)
-        self.engine.backward(loss, scale_wrt_gas=False)  # pieces carry their own normalisers
+        self.engine.backward(loss * self.world_size if self.world_size > 1 else loss, scale_wrt_gas=False)
         if last:
             self._pre_clip_norm = self._grad_norm()
             if self.cfg.balanced.module_grad_scaling:  # after the accumulation boundary, before clip and step
@@ -308,9 +350,10 @@ class DeepSpeedLearner:
         steps, n = self.train_steps, self.steps_per_sample
         chosen = [torch.stack([steps[torch.randperm(len(steps), generator=self.generator)][:n] for _ in range(len(mb))])
                   for mb in group]
-        n_terms = sum(len(mb) for mb in group) * n
-        stats = self._prepare(group, olds, chosen) if self.objective.needs_prepare else {}
-        offsets = [sum(len(mb) for mb in group[:i]) for i in range(len(group))]
+        total, before = self._step_extent(sum(len(mb) for mb in group))
+        n_terms = total * n
+        stats = self._prepare(group, olds, chosen, before) if self.objective.needs_prepare else {}
+        offsets = [before + sum(len(mb) for mb in group[:i]) for i in range(len(group))]
         pieces = [(i, j) for i in range(len(group)) for j in range(n)]
         for p, (i, j) in enumerate(pieces):
             inputs = self._step_inputs(group[i], olds[i], chosen[i][:, j], n_terms)
@@ -332,8 +375,10 @@ class DeepSpeedLearner:
             reduce=self.sampler.reduce)
 
     @torch.no_grad()
-    def _prepare(self, group: list[RolloutBatch], olds: list[OldPolicy], chosen: list[Tensor]) -> dict[str, Tensor]:
-        """The objective's no-grad pass over every term of the optimisation step, at the current weights."""
+    def _prepare(self, group: list[RolloutBatch], olds: list[OldPolicy], chosen: list[Tensor],
+                 rows_before: int = 0) -> dict[str, Tensor]:
+        """The objective's no-grad pass over every term of the optimisation step (every rank's), at the current
+        weights."""
         pieces, offset = [], 0
         for mb, old, ch in zip(group, olds, chosen):
             rows = torch.arange(len(mb))
@@ -347,7 +392,13 @@ class DeepSpeedLearner:
                     dt=self.sampler.dt[s].to(new.logp.dtype), rows=offset + rows, new_mean=new.mean,
                     old_mean=None if old.mean is None else old.mean[rows, s]))
             offset += len(mb)
-        return self.objective.prepare(pieces)
+        return self._device_stats(self.objective.prepare(gather_pieces(pieces, rows_before)))
+
+    def _device_stats(self, stats: dict[str, Tensor]) -> dict[str, Tensor]:
+        """Statistics computed over gathered (CPU) pieces, back on the engine's device."""
+        if self.world_size == 1:
+            return stats
+        return {k: v.to(self.device) for k, v in stats.items()}
 
     def _sequence_step(self, group: list[RolloutBatch], olds: list[OldPolicy], sums: MetricSums) -> None:
         """One optimisation step of a sequence-level objective f(log rho) over MC-estimated likelihoods.
@@ -366,16 +417,18 @@ class DeepSpeedLearner:
         with torch.no_grad():
             passes = [[self.sampler.log_prob(self.engine, mb, j) for j in range(n)] for mb in group]
         current = [torch.stack([p.logp for p in mc], 1).mean(1) for mc in passes]
-        offsets = [sum(len(mb) for mb in group[:i]) for i in range(len(group))]
+        total, before = self._step_extent(sum(len(mb) for mb in group))
+        offsets = [before + sum(len(mb) for mb in group[:i]) for i in range(len(group))]
         stats: dict[str, Tensor] = {}
         if self.objective.needs_prepare:
-            stats = self.objective.prepare([
+            stats = self._device_stats(self.objective.prepare(gather_pieces([
                 PreparePiece(new_logp=cur, old_logp=old.sequence_logp, advantages=mb.advantages,
                              step=torch.zeros(len(mb), dtype=torch.long), std=torch.ones(len(mb), dtype=dtype),
                              dt=torch.ones(len(mb), dtype=dtype), rows=off + torch.arange(len(mb)), group=mb.group,
                              tokens=[p.tokens for p in mc])
-                for mb, old, cur, off, mc in zip(group, olds, current, offsets, passes)])
-        n_terms = sum(len(mb) for mb in group)
+                for mb, old, cur, off, mc in zip(group, olds, current, [o - before for o in offsets], passes)],
+                before)))
+        n_terms = total
         pieces = [(i, j) for i in range(len(group)) for j in range(n)]
         for p, (i, j) in enumerate(pieces):
             mb, old = group[i], olds[i]
@@ -402,7 +455,7 @@ class DeepSpeedLearner:
         """
         assert isinstance(self.objective, RewardBackpropObjective) and self.reward_fn is not None
         first = len(self.sampler.timesteps) - self.objective.cfg.backprop_steps
-        n = sum(len(mb) for mb in group)
+        n, _ = self._step_extent(sum(len(mb) for mb in group))
         for p, (mb, old) in enumerate(zip(group, olds)):
             x0 = self.sampler.denoise_from(self.engine, mb, first, old.noise or [])
             leaf = x0.detach().requires_grad_(True)
@@ -422,34 +475,47 @@ class DeepSpeedLearner:
     # ------------------------------------------------------------------ weights and checkpoints
     def weights(self) -> dict[str, Tensor]:
         """A CPU copy of the trained tensors (the whole network, or only its LoRA adapters), to publish to
-        rollout workers and to checkpoint."""
-        return {k: v.detach().to("cpu", copy=True) for k, v in trainable_state(self.policy).items()}
+        rollout workers and to checkpoint. Under ZeRO-3 a collective: every rank must call it."""
+        with self.gathered():
+            return {k: v.detach().to("cpu", copy=True) for k, v in trainable_state(self.policy).items()}
 
     def save(self, directory: Path) -> None:
-        """Engine (trained tensors + optimiser; a LoRA policy's frozen base is not written), reference,
-        objective state and RNG."""
+        """Engine (trained tensors + optimiser; a LoRA policy's frozen base is not written; ZeRO: every rank its
+        shards), and from rank 0 the policy, reference and objective state; each rank its own RNG.
+        Every rank must call it."""
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
         self.engine.save_checkpoint(str(directory), tag="engine", save_latest=False,
                                     exclude_frozen_parameters=self.adapters_only)
-        save_file({k: v.contiguous() for k, v in self.weights().items()}, str(directory / "policy.safetensors"))
+        weights = self.weights()
+        if self.rank > 0:
+            torch.save({"generator": self.generator.get_state()}, directory / f"learner_state_rank{self.rank}.pt")
+            return
+        save_file({k: v.contiguous() for k, v in weights.items()}, str(directory / "policy.safetensors"))
         save_file({k: v.detach().to("cpu", copy=True).contiguous() for k, v in trainable_state(self.reference).items()},
                   str(directory / "reference.safetensors"))  # copies: tied weights share storage
         torch.save({"generator": self.generator.get_state(), "updates": self.updates,
                     "objective": self.objective.name, "objective_state": self.objective.state_dict(),
                     "advantage_clipper": (None if self.advantage_clipper is None
-                                          else self.advantage_clipper.state_dict())},
+                                          else self.advantage_clipper.state_dict()),
+                    "world_size": self.world_size},
                    directory / "learner_state.pt")
 
     def load(self, directory: Path) -> None:
         directory = Path(directory)
-        self.engine.load_checkpoint(str(directory), tag="engine", load_module_strict=not self.adapters_only)
-        load_trainable_state(self.reference, load_file(str(directory / "reference.safetensors")))
         state = torch.load(directory / "learner_state.pt", weights_only=True)
         if state["objective"] != self.objective.name:
             raise ValueError(f"checkpoint {directory} was written by objective {state['objective']!r}, "
                              f"not {self.objective.name!r}")
-        self.generator.set_state(state["generator"])
+        saved_world = int(state.get("world_size", 1))
+        if saved_world != self.world_size:
+            raise ValueError(f"checkpoint {directory} was written by {saved_world} learner rank(s), not "
+                             f"learner.ranks={self.world_size}: resume with the same number of ranks")
+        self.engine.load_checkpoint(str(directory), tag="engine", load_module_strict=not self.adapters_only)
+        load_trainable_state(self.reference, load_file(str(directory / "reference.safetensors")))
+        own = state if self.rank == 0 else torch.load(directory / f"learner_state_rank{self.rank}.pt",
+                                                      weights_only=True)
+        self.generator.set_state(own["generator"])
         self.updates = int(state["updates"])
         self.objective.load_state_dict(state["objective_state"])
         if self.advantage_clipper is not None and state.get("advantage_clipper") is not None:
