@@ -9,6 +9,7 @@ import torch
 from torch import Tensor
 
 COND_PREFIX = "cond."  # extras holding the model's conditioning (text embeddings), one row per sample
+POLICY_VERSION = "policy_version"  # extras: [B] updates the sampling (behaviour) policy had had (async rollouts)
 
 
 def cond_extras(inputs: dict[str, Tensor]) -> dict[str, Tensor]:

@@ -15,6 +15,7 @@ from steadyrl.reward.ensemble import attach_scores
 from steadyrl.rollout.batch import RolloutBatch
 from steadyrl.rollout.policy import load_trainable_state
 from steadyrl.services.config import TrainConfig
+from steadyrl.services.retry import with_retries
 from steadyrl.services.reward_app import APP_NAME
 from steadyrl.services.runtime import redirect_output
 from steadyrl.services.testbeds import build_testbed
@@ -54,10 +55,21 @@ class RolloutWorker:
         self.policy = self.testbed.build_policy(base_weights).to(self.device)
         self.sampler = self.testbed.build_sampler()
         self.reward = serve.get_app_handle(APP_NAME)
+        self.reward_retries = 0  # scoring calls retried since the last summary (a reward replica died)
 
     def _score(self, batch: RolloutBatch) -> tuple[RolloutBatch, Any]:
+        """Scores through the Serve ensemble; a call that fails because a replica died or timed out is retried
+        (`serve.max_retries`, `serve.request_timeout_s`, `serve.retry_backoff_s`) while Serve replaces it."""
         samples, cond = self.testbed.reward_inputs(self.policy, batch)
-        scores = self.reward.score_tensors.remote(samples, cond, batch.group).result()
+        serve_cfg = self.cfg.serve
+
+        def count(attempt: int, err: BaseException) -> None:
+            self.reward_retries += 1
+
+        scores = with_retries(
+            lambda: self.reward.score_tensors.remote(samples, cond, batch.group).result(
+                timeout_s=serve_cfg.request_timeout_s),
+            serve_cfg.max_retries, serve_cfg.retry_backoff_s, "scoring through the reward ensemble", count)
         return attach_scores(batch, scores), scores
 
     @ray.method(num_returns=2)
@@ -72,11 +84,14 @@ class RolloutWorker:
         batch, scores = self._score(batch)
         t2 = time.perf_counter()
         summary = self.testbed.rollout_summary(batch, scores)
-        summary.update({"timing_s/rollout": t1 - t0, "timing_s/reward": t2 - t1, "n": float(len(batch))})
+        summary.update({"timing_s/rollout": t1 - t0, "timing_s/reward": t2 - t1, "n": float(len(batch)),
+                        "faults/reward_retries": float(self.reward_retries)})
+        self.reward_retries = 0
         return batch, summary
 
-    def ready(self) -> bool:
-        return True
+    def ready(self) -> dict[str, Any]:
+        """Where this worker runs (written to the run folder's actors.json)."""
+        return {"role": "rollout", "index": self.index, "pid": os.getpid(), "node": ray.util.get_node_ip_address()}
 
     def set_weights(self, weights: dict[str, torch.Tensor]) -> None:
         """The learner's trained tensors (whole network, or LoRA adapters only)."""

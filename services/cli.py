@@ -46,18 +46,22 @@ def _load(args: list[str]):
 def train(
     args: list[str] = typer.Argument(None, help="[CONFIG] key.sub=value ... (default configs/digits-grpo.yaml)"),
     resume: Optional[Path] = typer.Option(None, help="continue the run in this folder from its latest checkpoint"),
+    allow_changes: bool = typer.Option(False, help="with --resume: accept overrides that change what the run "
+                                       "computes (objective, sampler, seed, ...); recorded in resumes.jsonl"),
 ) -> None:
     """Pretrain if needed, then RL through local Ray (rollout actor -> Serve rewards -> DeepSpeed learner)."""
     from steadyrl.services.controller import train as run_train
 
     args = args or []
+    if allow_changes and resume is None:
+        _fail("--allow-changes only applies with --resume")
     if resume is not None:
         if args and "=" not in args[0]:
             _fail("with --resume the config comes from the run folder; pass only overrides")
         if not (resume / "config.yaml").exists():
             _fail(f"--resume {resume}: no config.yaml there")
         try:
-            result = run_train(overrides=args, resume_dir=resume, console=console)
+            result = run_train(overrides=args, resume_dir=resume, console=console, allow_changes=allow_changes)
         except (ConfigError, FileNotFoundError) as err:
             _fail(str(err))
     else:

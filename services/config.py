@@ -99,6 +99,12 @@ class ServeConfig(StrictModel):
                                      "The in-cluster handle training uses is not limited")
     max_body_bytes: int = Field(16 * 2**20, ge=1024, description="largest REST request body; larger get a 413 "
                                 "before any JSON is parsed (a JSON body is decoded whole in memory)")
+    request_timeout_s: float = Field(120, gt=0, description="most one scoring call from a rollout worker may "
+                                     "take before it is retried (a replica that died or hangs)")
+    max_retries: int = Field(5, ge=0, description="times a rollout worker retries a failed scoring call (a reward "
+                             "replica killed mid-call: Serve starts a new one meanwhile); past it the step fails")
+    retry_backoff_s: float = Field(1.0, ge=0, description="wait before the first retry, doubled for each next one "
+                                   "(capped at 8x): time for Serve to replace a replica")
     auth_token_env: str | None = Field(None, description="name of an environment variable holding a bearer "
                                        "token; then every REST route but /healthz and the docs needs "
                                        "`Authorization: Bearer <token>` (401 otherwise). Read where the app is "
@@ -151,6 +157,12 @@ class RayConfig(StrictModel):
     placement_timeout_s: float = Field(600, gt=0, description="how long to wait for a placement group's resources "
                                        "(GPUs, CPUs) before failing with what could not be placed, instead of "
                                        "hanging on a cluster that cannot provide them")
+    step_timeout_s: float = Field(1800, gt=0, description="most one rollout call (a step's generation, a weight "
+                                  "sync, an evaluation) may take on one worker: past it the worker is taken as hung, "
+                                  "killed and restarted, and the call re-issued")
+    max_rollout_retries: int = Field(3, ge=0, description="times one call is re-issued after its rollout worker "
+                                     "died (Ray restarts the actor; it gets the current weights first, and its "
+                                     "seeded sampling redraws the very same samples); past it the run fails")
 
 
 class RunConfig(StrictModel):

@@ -16,6 +16,7 @@ from typing import Any, Callable
 
 import ray
 from ray import serve
+from ray.exceptions import ActorUnavailableError, GetTimeoutError, RayActorError
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
@@ -24,6 +25,7 @@ from safetensors.torch import load_file
 from steadyrl.rollout.cache import write_text_atomically
 from steadyrl.services.actors import RolloutWorker
 from steadyrl.services.config import TrainConfig, dump_config, load_config
+from steadyrl.services.resume import check_resume, record_resume
 from steadyrl.services.report import MetricsWriter, read_metrics, save_curves
 from steadyrl.services.reward_app import APP_NAME, ROUTE_PREFIX, deploy_reward_app
 from steadyrl.services.learner_group import LearnerGroup
@@ -31,6 +33,12 @@ from steadyrl.services.runtime import init_ray, start_serve
 from steadyrl.services.testbeds import build_testbed
 
 CHECKPOINTS = "checkpoints"
+ACTORS_FILE = "actors.json"
+
+
+class RunFailed(RuntimeError):
+    """A failure the run cannot recover from (a learner rank died, a worker past its retries); the message says
+    what happened and how to resume from the last checkpoint."""
 
 
 @dataclass
@@ -68,6 +76,9 @@ class Controller:
         self.evals: list[dict[str, Any]] = []
         self._ray_mode = "existing"
         self._started_serve = False
+        self._weights: Any = None  # ObjectRef of the weights last synced (None: the base weights)
+        self.actors: dict[str, dict[str, Any]] = {}
+        self.restarts = self.restarts_this_step = 0
 
     # ---------------------------------------------------------------- set-up / tear-down
     def setup(self) -> None:
@@ -84,16 +95,21 @@ class Controller:
             deploy_reward_app(self.testbed.reward_spec(), cfg.serve)
             cfg_dict = cfg.model_dump(mode="json")
             # the base weights travel through the object store: no node but the driver's needs the cache
-            base_weights = ray.put(load_file(str(self.base_model)))
+            # kept referenced for the run: a restarted worker is built from it again (Ray cannot restart an actor
+            # whose constructor arguments went out of scope)
+            self.base_weights = base_weights = ray.put(load_file(str(self.base_model)))
             self.learner = LearnerGroup(cfg, base_weights, self.run_dir)
             n = cfg.ray.rollout_workers
+            # Ray restarts a dead worker (from the base weights); `_revive` hands it the current ones
             self.workers = [
-                RolloutWorker.options(num_cpus=cfg.ray.actor_cpus, num_gpus=cfg.ray.rollout_gpus).remote(
-                    cfg_dict, base_weights, i, n, str(self.run_dir))
+                RolloutWorker.options(num_cpus=cfg.ray.actor_cpus, num_gpus=cfg.ray.rollout_gpus, max_restarts=-1,
+                                      max_task_retries=0).remote(cfg_dict, base_weights, i, n, str(self.run_dir))
                 for i in range(n)
             ]
             # wait until every actor is up (surfaces init errors here, not at the first step)
-            ray.get([*self.learner.ready(), *[w.ready.remote() for w in self.workers]])
+            infos = ray.get([*self.learner.ready(), *[w.ready.remote() for w in self.workers]])
+            self.actors = {f"{a['role']}_{a['index']}": a for a in infos}
+            self._write_actors()
         self.reward_url = f"http://{cfg.serve.host}:{self.port}{ROUTE_PREFIX}"
         write_text_atomically(self.run_dir / "endpoints.json", json.dumps({"reward": self.reward_url}))
         if cfg.run.progress:
@@ -118,15 +134,81 @@ class Controller:
         if self._ray_mode == "joined":
             ray.shutdown()
 
+    # ---------------------------------------------------------------- rollout workers that may die
+    def _write_actors(self) -> None:
+        """actors.json: each actor's node and pid, and the restarts so far (what to look at, or kill, when
+        debugging a run)."""
+        write_text_atomically(self.run_dir / ACTORS_FILE, json.dumps(
+            {"actors": self.actors, "rollout_restarts": self.restarts}, indent=1))
+
+    def _revive(self, i: int, err: BaseException) -> None:
+        """Worker i died (or hung past ray.step_timeout_s: killed here); wait for Ray to restart it and give it
+        the current weights. A worker still alive in the same process did not fail: the error is re-raised."""
+        timeout = self.cfg.ray.step_timeout_s
+        if isinstance(err, GetTimeoutError):
+            ray.kill(self.workers[i], no_restart=False)
+        deadline = time.monotonic() + timeout
+        while True:  # calls fail with ActorUnavailableError while Ray restarts the actor
+            try:
+                info = ray.get(self.workers[i].ready.remote(), timeout=max(1.0, deadline - time.monotonic()))
+                break
+            except ActorUnavailableError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.2)
+        if info["pid"] == self.actors[f"rollout_{i}"]["pid"]:  # the same process: it never died
+            if isinstance(err, ActorUnavailableError):
+                return  # a transient unreachability: re-issue the call
+            raise err  # e.g. the learner died and its weights, an argument of the call, with it
+        self.restarts += 1
+        self.restarts_this_step += 1
+        self.actors[f"rollout_{i}"] = info
+        self._write_actors()
+        if self._weights is not None:
+            ray.get(self.workers[i].set_weights.remote(self._weights), timeout=timeout)
+
+    def on_workers(self, call: Callable[[Any], Any], indices: list[int] | None = None) -> list[tuple[Any, Any]]:
+        """`call(worker)` on each worker (returning an ObjectRef, or a tuple of them whose last one is waited on);
+        a call whose worker died is re-issued on the restarted worker, up to ray.max_rollout_retries times.
+        Returns (refs, value of the waited-on ref) per worker. Seeded sampling makes a re-issued step's samples
+        the lost ones exactly: none is lost or duplicated."""
+        indices = list(range(len(self.workers))) if indices is None else indices
+        retries, timeout = self.cfg.ray.max_rollout_retries, self.cfg.ray.step_timeout_s
+        refs = {i: call(self.workers[i]) for i in indices}
+        out = []
+        for i in indices:
+            for attempt in range(retries + 1):
+                waited = refs[i][-1] if isinstance(refs[i], (tuple, list)) else refs[i]
+                try:
+                    value = ray.get(waited, timeout=timeout)
+                    break
+                except (RayActorError, GetTimeoutError) as err:
+                    if attempt == retries:
+                        raise RunFailed(f"rollout worker {i} failed {retries + 1} times in a row ({_first_line(err)}; "
+                                        "ray.max_rollout_retries)" + self._resume_hint()) from None
+                    self.console.print(f"[yellow]rollout worker {i} failed ({type(err).__name__}); restarting it "
+                                       f"and re-issuing its call ({attempt + 1}/{retries})", soft_wrap=True)
+                    self._revive(i, err)
+                    refs[i] = call(self.workers[i])
+            out.append((refs[i], value))
+        return out
+
+    def _resume_hint(self) -> str:
+        ckpt = latest_checkpoint(self.run_dir)
+        if ckpt is None:
+            return "; no checkpoint was written yet"
+        return (f"; the last checkpoint, {ckpt}, is intact: resume with "
+                f"`steadyrl train --resume {self.run_dir}`")
+
     # ---------------------------------------------------------------- pieces of a step
     def sync_weights(self) -> float:
         t0 = time.perf_counter()
-        weights = self.learner.weights()  # an ObjectRef: the driver never fetches the tensors
-        ray.get([w.set_weights.remote(weights) for w in self.workers])
+        self._weights = self.learner.weights()  # an ObjectRef: the driver never fetches the tensors
+        self.on_workers(lambda w: w.set_weights.remote(self._weights))
         return time.perf_counter() - t0
 
     def evaluate(self, step: int) -> dict[str, Any]:
-        result = ray.get(self.workers[0].evaluate.remote(self.cfg.run.eval_seed))
+        result = self.on_workers(lambda w: w.evaluate.remote(self.cfg.run.eval_seed), [0])[0][1]
         result["step"] = step
         self.testbed.save_eval(result, self.run_dir / f"samples_step_{step:04d}",
                                f"step {step}: {self.testbed.headline_text(result['gold_accuracy'])}")
@@ -191,15 +273,17 @@ class Controller:
                                          dt=0.0)
                 for step in range(start, cfg.run.steps):
                     t0 = time.perf_counter()
-                    outs = [w.generate.remote(step) for w in self.workers]
-                    batch_refs = [o[0] for o in outs]
-                    metrics_refs = self.learner.update(*batch_refs)
-                    summaries = ray.get([o[1] for o in outs])
-                    metrics = ray.get(metrics_refs)[0]  # every rank's, equal: rank 0's
+                    self.restarts_this_step = 0
+                    outs = self.on_workers(lambda w: w.generate.remote(step))
+                    batch_refs = [refs[0] for refs, _ in outs]
+                    summaries = [summary for _, summary in outs]
+                    metrics = get_all(self.learner.update(*batch_refs), cfg.ray.step_timeout_s)[0]  # rank 0's
                     metrics["timing_s/sync"] = self.sync_weights()
                     metrics.update(merge_summaries(summaries))
+                    metrics["faults/rollout_restarts"] = float(self.restarts_this_step)
                     metrics["timing_s/step"] = time.perf_counter() - t0
-                    metrics["perf/samples_per_s"] = metrics.pop("n") / metrics["timing_s/step"]
+                    metrics["rollout/samples"] = metrics.pop("n")
+                    metrics["perf/samples_per_s"] = metrics["rollout/samples"] / metrics["timing_s/step"]
                     steps_done = step + 1
                     writer.write(steps_done, metrics)
                     for k, v in metrics.items():
@@ -213,6 +297,9 @@ class Controller:
                         self.evaluate(steps_done)
                     if steps_done % cfg.run.checkpoint_every == 0 or last:
                         self.checkpoint(steps_done)
+        except (RayActorError, GetTimeoutError) as err:  # the learner died or hung (workers: see on_workers)
+            raise RunFailed(f"the learner died during step {steps_done + 1} ({_first_line(err)}); nothing after "
+                            f"step {steps_done} was kept" + self._resume_hint()) from None
         except KeyboardInterrupt:
             interrupted = True
             ckpt = latest_checkpoint(self.run_dir)
@@ -233,8 +320,25 @@ class Controller:
         return result
 
 
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip()
+    return f"{type(err).__name__}: {text.splitlines()[0] if text else ''}"
+
+
+def get_all(refs: list[ray.ObjectRef], timeout_s: float) -> list[Any]:
+    """ray.get of every ref, raising the first failure as soon as it is known: when one learner rank dies, the
+    others wait in a collective and would never return."""
+    pending, deadline = list(refs), time.monotonic() + timeout_s
+    while pending:
+        ready, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+        if not ready:
+            raise GetTimeoutError(f"no result within {timeout_s:.0f} s (ray.step_timeout_s)")
+        ray.get(ready)
+    return ray.get(refs)
+
+
 def merge_summaries(summaries: list[dict[str, float]]) -> dict[str, float]:
-    """Sample-weighted mean of the workers' summaries (timings: the slowest worker)."""
+    """Sample-weighted mean of the workers' summaries (timings: the slowest worker; counts of faults: the sum)."""
     total = sum(s["n"] for s in summaries)
     out: dict[str, float] = {"n": total}
     for k in summaries[0]:
@@ -242,6 +346,8 @@ def merge_summaries(summaries: list[dict[str, float]]) -> dict[str, float]:
             continue
         if k.startswith("timing_s/"):
             out[k] = max(s[k] for s in summaries)
+        elif k.startswith("faults/"):
+            out[k] = sum(s[k] for s in summaries)
         else:
             out[k] = sum(s[k] * s["n"] for s in summaries) / total
     return out
@@ -272,12 +378,28 @@ def summary_table(result: RunResult, labels: tuple[str, str] = ("proxy", "gold")
     return table
 
 
+def checkpoint_step(run_dir: Path) -> int:
+    """The step the run folder's latest checkpoint holds."""
+    ckpt = latest_checkpoint(run_dir)
+    if ckpt is None:
+        raise FileNotFoundError(f"no checkpoint to resume from in {Path(run_dir) / CHECKPOINTS}")
+    return int(json.loads((ckpt / "controller.json").read_text())["step"])
+
+
 def train(config: str | Path | None = None, overrides: list[str] | tuple[str, ...] = (),
-          resume_dir: str | Path | None = None, console: Console | None = None) -> RunResult:
-    """Entry point shared by the CLI and `python -m steadyrl.services.job`."""
+          resume_dir: str | Path | None = None, console: Console | None = None,
+          allow_changes: bool = False) -> RunResult:
+    """Entry point shared by the CLI and `python -m steadyrl.services.job`. A resume checks the overrides
+    against the run's config (`services.resume`), records them and keeps config.yaml the run's current one."""
     if resume_dir is not None:
         run_dir = Path(resume_dir)
+        saved = load_config(run_dir / "config.yaml")
         cfg = load_config(run_dir / "config.yaml", overrides)
+        step = checkpoint_step(run_dir)
+        changes = check_resume(saved, cfg, step, allow_changes)
+        record_resume(run_dir, step, changes)
+        if changes:
+            write_text_atomically(run_dir / "config.yaml", dump_config(cfg))
         return Controller(cfg, run_dir, console, resume=True).run()
     cfg = load_config(config, overrides)
     return Controller(cfg, new_run_dir(cfg), console).run()

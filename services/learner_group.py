@@ -41,12 +41,13 @@ class LearnerActor:
         """This node's address and a free port on it: rank 0's is every rank's MASTER_ADDR/PORT."""
         return ray.util.get_node_ip_address(), free_port("")
 
-    def init_engine(self, base_weights: dict[str, torch.Tensor], master_addr: str, master_port: int) -> bool:
+    def init_engine(self, base_weights: dict[str, torch.Tensor], master_addr: str, master_port: int) -> dict[str, Any]:
+        """Join the process group and build the engine; returns where this rank runs (for actors.json)."""
         set_rank_env(master_port, self.rank, self.world_size, master_addr)
         torch.manual_seed(self.cfg.run.seed)
         testbed = build_testbed(self.cfg)
         self.learner = build_learner(self.cfg, testbed.build_policy(base_weights).train(), testbed.build_sampler())
-        return True
+        return {"role": "learner", "index": self.rank, "pid": os.getpid(), "node": ray.util.get_node_ip_address()}
 
     def update(self, *batches: RolloutBatch) -> dict[str, float]:
         t0 = time.perf_counter()
@@ -87,7 +88,8 @@ class LearnerGroup:
         self._init = [a.init_engine.remote(base_weights, addr, port) for a in self.actors]
 
     def ready(self) -> list[ray.ObjectRef]:
-        """Refs that resolve once every rank has joined the process group and built its engine."""
+        """Refs that resolve once every rank has joined the process group and built its engine (to where each
+        rank runs)."""
         return self._init
 
     def update(self, *batch_refs: ray.ObjectRef) -> list[ray.ObjectRef]:

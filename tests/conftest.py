@@ -60,3 +60,26 @@ def reward_url(serve_port) -> str:
     if APP_NAME not in apps or apps[APP_NAME].status != "RUNNING":
         deploy_reward_app(RewardConfig())
     return f"http://127.0.0.1:{serve_port}{ROUTE_PREFIX}"
+
+
+# The short smoke run that the resume, fault-tolerance and weight-sync tests each compare their run with.
+SMOKE_SHORT = ["run.steps=6", "run.checkpoint_every=3", "run.eval_every=3", "run.eval_samples_per_class=2",
+               "sampler.samples_per_class=4", "run.progress=false"]
+VOLATILE_METRICS = ("timing_s/", "perf/", "faults/")  # wall-clock figures and fault counters
+
+
+def computed_metrics(rows: list[dict]) -> list[dict]:
+    """A run's metrics rows without the keys two runs of the same computation may differ in."""
+    return [{k: v for k, v in r.items() if not k.startswith(VOLATILE_METRICS)} for r in rows]
+
+
+@pytest.fixture(scope="session")
+def smoke_straight(ray_cluster, serve_port, tmp_path_factory):
+    """configs/smoke.yaml with SMOKE_SHORT, run straight through once per session (6 steps, checkpoints at 3, 6)."""
+    from steadyrl.services.config import CONFIG_DIR
+    from steadyrl.services.controller import train
+
+    result = train(CONFIG_DIR / "smoke.yaml", [f"run.run_dir={tmp_path_factory.mktemp('smoke') / 'straight'}",
+                                               *SMOKE_SHORT])
+    assert result.steps_done == 6
+    return result

@@ -45,7 +45,15 @@ class LearnerConfig(StrictModel):
     backend: Literal["auto", "gloo", "nccl"] = Field(
         "auto", description="collective backend of the ranks; auto: NCCL when DeepSpeed's accelerator is cuda, "
         "else gloo (the CPU)")
-    logp_alarm: float = Field(1e-3, gt=0, description="warn when |recomputed - rollout old logp| exceeds this")
+    logp_alarm: float = Field(1e-3, gt=0, description="warn when |recomputed - rollout old logp| exceeds this "
+                              "(samples from the current policy; a lagged batch's gap is the lag, not an alarm)")
+    max_staleness: int = Field(0, ge=0, le=4, description="updates a batch's behaviour policy may lag the learner: "
+                               "0 = synchronous (every batch sampled with the current weights); 1 = one-step-off-"
+                               "policy pipelining (rollouts of step k+1 run while the learner trains on step k: the "
+                               "slower of the two sets the pace, not their sum); the importance weight "
+                               "pi_prox/pi_behaviour corrects each lagged term (trainer/off_policy.py)")
+    behaviour_weight_cap: float = Field(2.0, ge=1.0, description="truncation c of the behaviour importance weight "
+                                        "min(pi_prox/pi_b, c), as V-trace truncates: bounds one stale sample's pull")
     balanced: BalancedGradientConfig = Field(
         default_factory=BalancedGradientConfig,
         description="BGPO's seed-form ('balanced gradient') options, each off by default, for any objective")

@@ -43,6 +43,7 @@ from steadyrl.rollout.sampler import GaussianStepSampler, StepLogProb
 from steadyrl.trainer.balanced_gradient import (DualMomentum, RollingQuantileClipper, apply_module_precision,
                                       enable_activation_checkpointing, scale_module_gradients)
 from steadyrl.trainer.config import LearnerConfig
+from steadyrl.trainer.off_policy import behaviour_weight, check_staleness, staleness
 from steadyrl.trainer.distributed import (all_gather, gather_pieces, group_shares, micro_batch_count, reduce_metrics,
                                           split_into, world)
 from steadyrl.trainer.objectives import (ObjectiveSettings, PolicyGradientObjective, PreparePiece, RewardBackpropObjective,
@@ -93,6 +94,14 @@ class OldPolicy:
     mean: Tensor | None = None  # [b,T,...] where the objective needs old means
     noise: list[Tensor] | None = None  # recorded noise of the last K steps (reward back-propagation)
     ref_logp: Tensor | None = None  # [b] sequence-level samplers: the reference's mean over MC samples
+    behaviour_weight: Tensor | None = None  # [b,T] (sequence-level: [b]) min(pi_prox/pi_b, c); None: all current
+
+    def weighted(self, advantages: Tensor, rows: Tensor | None = None, step: Tensor | None = None) -> Tensor:
+        """Advantages times the behaviour weight of each term (trainer/off_policy.py); unchanged when current."""
+        if self.behaviour_weight is None or advantages is None:
+            return advantages
+        w = self.behaviour_weight if rows is None else self.behaviour_weight[rows, step]
+        return advantages * w.to(advantages)
 
     @property
     def sequence_logp(self) -> Tensor:
@@ -218,7 +227,7 @@ class DeepSpeedLearner:
         steps = self.train_steps
         keep_mean = self.objective.needs_old_mean
         sequence = self.sequence_level
-        out, diffs, kls = [], [], []
+        out, diffs, kls, weights = [], [], [], []
         for mb in micro:
             lp = torch.zeros_like(mb.old_logp)
             mean = torch.zeros_like(mb.traj[:, 1:]) if keep_mean else None
@@ -235,7 +244,18 @@ class DeepSpeedLearner:
                 first = len(self.sampler.timesteps) - self.objective.cfg.backprop_steps
                 old.noise = [self.sampler.recorded_noise(self.engine, mb, k)
                              for k in range(first, len(self.sampler.timesteps))]
-            diffs.append((lp[:, steps] - mb.old_logp[:, steps]).abs().max())
+            lagged = staleness(mb, self.updates) > 0
+            current = ~lagged
+            if current.any():  # the recompute alarm is about samples from the current policy
+                diffs.append((lp[:, steps] - mb.old_logp[:, steps])[current.to(lp.device)].abs().max())
+            if lagged.any():  # mb.old_logp is the behaviour policy's: kept beside the recomputed proximal one
+                cap = self.cfg.behaviour_weight_cap
+                if sequence:
+                    old.behaviour_weight = behaviour_weight(old.sequence_logp, mb.old_logp.mean(dim=1), lagged, cap)
+                    weights.append(old.behaviour_weight[lagged.to(lp.device)])
+                else:
+                    old.behaviour_weight = behaviour_weight(lp, mb.old_logp, lagged, cap)
+                    weights.append(old.behaviour_weight[lagged.to(lp.device)][:, steps].flatten())
             out.append(old)
             if sequence:  # KL(pi_theta || pi_ref) monitor: k3 of the sequence estimates
                 kls.append(self.sampler.kl(StepLogProb(old.sequence_logp, None, None),
@@ -244,13 +264,19 @@ class DeepSpeedLearner:
             # KL(pi_theta || pi_ref) monitor: one random trained step per sample
             s = steps[torch.randint(len(steps), (len(mb),), generator=self.generator)]
             kls.append(self._kl_to_reference(mb, s))
-        absdiff = float(torch.stack(diffs).max())
+        absdiff = float(torch.stack(diffs).max()) if diffs else 0.0
         if absdiff > self.cfg.logp_alarm:
             log.warning("recomputed old log-probs differ from the rollout's by %.2e (> %.0e): policy "
                         "weights out of sync or numerics drift", absdiff, self.cfg.logp_alarm)
-        return out, {"policy/rollout_logp_absdiff_max": absdiff,
-                     "policy/rollout_logp_alarm": float(absdiff > self.cfg.logp_alarm),
-                     "policy/kl_ref_monitor": float(torch.cat(kls).mean())}
+        metrics = {"policy/rollout_logp_absdiff_max": absdiff,
+                   "policy/rollout_logp_alarm": float(absdiff > self.cfg.logp_alarm),
+                   "policy/kl_ref_monitor": float(torch.cat(kls).mean())}
+        if self.cfg.max_staleness > 0:
+            w = torch.cat(weights) if weights else torch.ones(1)
+            metrics.update({"async/behaviour_weight_mean": float(w.mean()), "async/behaviour_weight_max": float(w.max()),
+                            "async/behaviour_weight_min": float(w.min()),
+                            "async/behaviour_weight_capped": float((w >= self.cfg.behaviour_weight_cap).double().mean())})
+        return out, metrics
 
     @property
     def sequence_level(self) -> bool:
@@ -274,7 +300,11 @@ class DeepSpeedLearner:
             batch = batch.index(torch.nonzero(finite).flatten())
         if len(batch) == 0:
             raise ValueError("no sample in the batch has a finite reward")
+        lag = staleness(batch, self.updates)
+        check_staleness(lag, self.cfg.max_staleness)
         batch, metrics = self.objective.prepare_batch(batch)  # on the whole batch, identically on every rank
+        if self.cfg.max_staleness > 0:
+            metrics["async/staleness_max"] = float(lag.max())
         if self.advantage_clipper is not None and batch.advantages is not None:
             batch = batch.replace(advantages=self.advantage_clipper(batch.advantages))
             metrics["balanced/adv_clip_q"] = float(self.advantage_clipper.last_q)
@@ -309,6 +339,7 @@ class DeepSpeedLearner:
             "policy/adv_abs_mean": float(batch.advantages.abs().mean()) if batch.advantages is not None else 0.0,
             "policy/optimizer_steps": float(len(groups) * self.cfg.inner_epochs),
             "reward/nonfinite_skipped": float(skipped),
+            "policy/samples": float(len(batch)),  # trained on, over all ranks (counted: none lost or duplicated)
             "policy/lr": float(self.engine.get_lr()[0]),
             "sync/bytes": float(state_bytes(trainable_state(self.policy))),
         })
@@ -368,7 +399,7 @@ class DeepSpeedLearner:
         kl = self._kl_to_reference(mb, step, new) if self.objective.needs_reference else None
         dtype = new.logp.dtype
         return StepInputs(
-            new_logp=new.logp, old_logp=old.logp[rows, step], advantages=mb.advantages, step=step,
+            new_logp=new.logp, old_logp=old.logp[rows, step], advantages=old.weighted(mb.advantages, rows, step), step=step,
             std=self.sampler.std[step].to(dtype) if new.std is None else new.std, dt=self.sampler.dt[step].to(dtype),
             n_terms=n_terms, new_mean=new.mean,
             old_mean=None if old.mean is None else old.mean[rows, step], kl_ref=kl, micro=mb,
@@ -387,7 +418,8 @@ class DeepSpeedLearner:
                 new = self.sampler.log_prob(self.engine, mb, s)
                 std = self.sampler.std[s].to(new.logp.dtype) if new.std is None else new.std
                 pieces.append(PreparePiece(
-                    new_logp=new.logp, old_logp=old.logp[rows, s], advantages=mb.advantages, step=s, std=std,
+                    new_logp=new.logp, old_logp=old.logp[rows, s], advantages=old.weighted(mb.advantages, rows, s),
+                    step=s, std=std,
                     group=mb.group,
                     dt=self.sampler.dt[s].to(new.logp.dtype), rows=offset + rows, new_mean=new.mean,
                     old_mean=None if old.mean is None else old.mean[rows, s]))
@@ -422,7 +454,7 @@ class DeepSpeedLearner:
         stats: dict[str, Tensor] = {}
         if self.objective.needs_prepare:
             stats = self._device_stats(self.objective.prepare(gather_pieces([
-                PreparePiece(new_logp=cur, old_logp=old.sequence_logp, advantages=mb.advantages,
+                PreparePiece(new_logp=cur, old_logp=old.sequence_logp, advantages=old.weighted(mb.advantages),
                              step=torch.zeros(len(mb), dtype=torch.long), std=torch.ones(len(mb), dtype=dtype),
                              dt=torch.ones(len(mb), dtype=dtype), rows=off + torch.arange(len(mb)), group=mb.group,
                              tokens=[p.tokens for p in mc])
@@ -439,7 +471,7 @@ class DeepSpeedLearner:
             if self.objective.needs_reference:
                 kl = self.sampler.kl(seq_new, StepLogProb(old.ref_logp, None, None))
             ones = torch.ones(len(mb), dtype=dtype)
-            inputs = StepInputs(new_logp=linear, old_logp=old.sequence_logp, advantages=mb.advantages,
+            inputs = StepInputs(new_logp=linear, old_logp=old.sequence_logp, advantages=old.weighted(mb.advantages),
                                 step=torch.full((len(mb),), j, dtype=torch.long), std=ones, dt=ones, n_terms=n_terms,
                                 rows=offsets[i] + torch.arange(len(mb)), kl_ref=kl, micro=mb,
                                 reduce=self.sampler.reduce, tokens=new.tokens)
