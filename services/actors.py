@@ -12,7 +12,7 @@ import torch
 from ray import serve
 
 from steadyrl.reward.ensemble import attach_scores
-from steadyrl.rollout.batch import RolloutBatch
+from steadyrl.rollout.batch import POLICY_VERSION, RolloutBatch
 from steadyrl.rollout.policy import load_trainable_state
 from steadyrl.services.config import TrainConfig
 from steadyrl.services.retry import with_retries
@@ -40,6 +40,15 @@ def step_seed(seed: int, step: int, worker: int) -> int:
     return (seed * 1_000_003 + step * 1009 + worker) % (2**63 - 1)
 
 
+@ray.remote(num_cpus=0)
+def write_weights(weights: list[Any] | None, path: str) -> None:
+    """Save boxed weights ([ObjectRef]) as safetensors where the checkpoint is written (the driver never holds
+    them)."""
+    from safetensors.torch import save_file
+
+    save_file({k: v.contiguous() for k, v in ray.get(weights[0]).items()}, path)
+
+
 @ray.remote
 class RolloutWorker:
     """Holds a policy copy; samples groups for its share of the testbed's prompts and scores them
@@ -54,8 +63,16 @@ class RolloutWorker:
         self.device = actor_device(self.cfg.ray.rollout_gpus)
         self.policy = self.testbed.build_policy(base_weights).to(self.device)
         self.sampler = self.testbed.build_sampler()
-        self.reward = serve.get_app_handle(APP_NAME)
-        self.reward_retries = 0  # scoring calls retried since the last summary (a reward replica died)
+        self._reward = None
+        self.reward_retries = 0
+        self.version = 0  # learner updates behind the weights this worker holds (0: the base weights)  # scoring calls retried since the last summary (a reward replica died)
+
+    @property
+    def reward(self) -> Any:
+        """The ensemble's handle, taken at first use: workers start while the reward app is still deploying."""
+        if self._reward is None:
+            self._reward = serve.get_app_handle(APP_NAME)
+        return self._reward
 
     def _score(self, batch: RolloutBatch) -> tuple[RolloutBatch, Any]:
         """Scores through the Serve ensemble; a call that fails because a replica died or timed out is retried
@@ -73,8 +90,11 @@ class RolloutWorker:
         return attach_scores(batch, scores), scores
 
     @ray.method(num_returns=2)
-    def generate(self, step: int) -> tuple[RolloutBatch, dict[str, float]]:
-        """(batch for the learner, small summary for the driver)."""
+    def generate(self, step: int, version: int = 0, weights: list[Any] | None = None
+                 ) -> tuple[RolloutBatch, dict[str, float]]:
+        """(batch for the learner, small summary for the driver), sampled with the weights of policy `version`
+        (loaded first if this worker holds others: a restarted worker, or a call re-issued on it)."""
+        self.set_weights(version, weights)
         gen = torch.Generator().manual_seed(step_seed(self.cfg.run.seed, step, self.index))
         prompts, group_offset = self.testbed.train_prompts(self.index, self.n_workers, step)
         t0 = time.perf_counter()
@@ -82,6 +102,7 @@ class RolloutWorker:
                                     group_offset=group_offset)
         t1 = time.perf_counter()
         batch, scores = self._score(batch)
+        batch = batch.with_extras(**{POLICY_VERSION: torch.full((len(batch),), self.version, dtype=torch.long)})
         t2 = time.perf_counter()
         summary = self.testbed.rollout_summary(batch, scores)
         summary.update({"timing_s/rollout": t1 - t0, "timing_s/reward": t2 - t1, "n": float(len(batch)),
@@ -93,12 +114,24 @@ class RolloutWorker:
         """Where this worker runs (written to the run folder's actors.json)."""
         return {"role": "rollout", "index": self.index, "pid": os.getpid(), "node": ray.util.get_node_ip_address()}
 
-    def set_weights(self, weights: dict[str, torch.Tensor]) -> None:
-        """The learner's trained tensors (whole network, or LoRA adapters only)."""
-        load_trainable_state(self.policy, weights)
+    def set_weights(self, version: int, weights: list[Any] | None) -> float:
+        """Hold policy `version`: `weights` is [ObjectRef of the learner's trained tensors] (whole network, or
+        LoRA adapters only; boxed so Ray does not fetch them when this worker has them already) or None for the
+        base weights. Returns the seconds spent fetching and loading them."""
+        if version == self.version:
+            return 0.0
+        if weights is None:
+            raise ValueError(f"worker {self.index} holds policy version {self.version} and was sent version "
+                             f"{version} without its weights")
+        t0 = time.perf_counter()
+        load_trainable_state(self.policy, ray.get(weights[0]))
+        self.version = version
+        return time.perf_counter() - t0
 
-    def evaluate(self, seed: int) -> dict[str, Any]:
-        """The testbed's held-out evaluation on seeded samples (accuracy, reward, diversity, a picture)."""
+    def evaluate(self, seed: int, version: int = 0, weights: list[Any] | None = None) -> dict[str, Any]:
+        """The testbed's held-out evaluation on seeded samples (accuracy, reward, diversity, a picture) with
+        the weights of policy `version`."""
+        self.set_weights(version, weights)
         gen = torch.Generator().manual_seed(seed)
         batch = self.testbed.sample(self.testbed.eval_sampler(), self.policy, self.testbed.eval_prompts(),
                                     self.testbed.eval_per_prompt, gen)

@@ -23,7 +23,7 @@ from rich.table import Table
 from safetensors.torch import load_file
 
 from steadyrl.rollout.cache import write_text_atomically
-from steadyrl.services.actors import RolloutWorker
+from steadyrl.services.actors import RolloutWorker, write_weights
 from steadyrl.services.config import TrainConfig, dump_config, load_config
 from steadyrl.services.resume import check_resume, record_resume
 from steadyrl.services.report import MetricsWriter, read_metrics, save_curves
@@ -76,7 +76,12 @@ class Controller:
         self.evals: list[dict[str, Any]] = []
         self._ray_mode = "existing"
         self._started_serve = False
+        self._deployed_app = False  # this run deployed the reward app (not found already serving its ensemble)
         self._weights: Any = None  # ObjectRef of the weights last synced (None: the base weights)
+        self.version = 0  # updates behind the weights last synced (= steps done)
+        self.pending: dict[int, tuple[int, Callable[[Any], Any], dict[int, Any]]] = {}  # step -> version, call, refs
+        self.resume_launch: dict[int, tuple[int, list[Any] | None]] = {}  # restored: step -> version, weights
+        self._snapshots: dict[int, list[Any] | None] = {}  # version -> weights of the rollouts in flight
         self.actors: dict[str, dict[str, Any]] = {}
         self.restarts = self.restarts_this_step = 0
 
@@ -92,12 +97,12 @@ class Controller:
         with self.console.status("starting Ray, the Serve reward ensemble and the DeepSpeed learner"):
             self._ray_mode = init_ray(cfg.ray.address, cfg.ray.num_cpus)
             self._started_serve, self.port = start_serve(cfg.serve, self.run_dir / "logs" / "serve")
-            deploy_reward_app(self.testbed.reward_spec(), cfg.serve)
             cfg_dict = cfg.model_dump(mode="json")
-            # the base weights travel through the object store: no node but the driver's needs the cache
-            # kept referenced for the run: a restarted worker is built from it again (Ray cannot restart an actor
+            # the base weights travel through the object store: no node but the driver's needs the cache. Kept
+            # referenced for the run: a restarted worker is built from it again (Ray cannot restart an actor
             # whose constructor arguments went out of scope)
             self.base_weights = base_weights = ray.put(load_file(str(self.base_model)))
+            # the actors' processes start now and come up while the reward app deploys
             self.learner = LearnerGroup(cfg, base_weights, self.run_dir)
             n = cfg.ray.rollout_workers
             # Ray restarts a dead worker (from the base weights); `_revive` hands it the current ones
@@ -106,6 +111,8 @@ class Controller:
                                       max_task_retries=0).remote(cfg_dict, base_weights, i, n, str(self.run_dir))
                 for i in range(n)
             ]
+            # an app already serving this very ensemble (a RayService's, an earlier run's) is used and left up
+            self._deployed_app = deploy_reward_app(self.testbed.reward_spec(), cfg.serve, reuse=True)
             # wait until every actor is up (surfaces init errors here, not at the first step)
             infos = ray.get([*self.learner.ready(), *[w.ready.remote() for w in self.workers]])
             self.actors = {f"{a['role']}_{a['index']}": a for a in infos}
@@ -129,7 +136,7 @@ class Controller:
             self.learner.kill()
         if self._started_serve:  # Serve is detached: on a shared cluster it would outlive the job
             serve.shutdown()
-        elif APP_NAME in serve.status().applications:  # the app may never have been deployed
+        elif self._deployed_app and APP_NAME in serve.status().applications:
             serve.delete(APP_NAME)
         if self._ray_mode == "joined":
             ray.shutdown()
@@ -142,8 +149,8 @@ class Controller:
             {"actors": self.actors, "rollout_restarts": self.restarts}, indent=1))
 
     def _revive(self, i: int, err: BaseException) -> None:
-        """Worker i died (or hung past ray.step_timeout_s: killed here); wait for Ray to restart it and give it
-        the current weights. A worker still alive in the same process did not fail: the error is re-raised."""
+        """Worker i died (or hung past ray.step_timeout_s: killed here); wait for Ray to restart it (from the base
+        weights). A worker still alive in the same process did not fail: the error is re-raised."""
         timeout = self.cfg.ray.step_timeout_s
         if isinstance(err, GetTimeoutError):
             ray.kill(self.workers[i], no_restart=False)
@@ -163,22 +170,22 @@ class Controller:
         self.restarts += 1
         self.restarts_this_step += 1
         self.actors[f"rollout_{i}"] = info
-        self._write_actors()
-        if self._weights is not None:
-            ray.get(self.workers[i].set_weights.remote(self._weights), timeout=timeout)
+        self._write_actors()  # every call names its policy version: the re-issued one loads it
 
-    def on_workers(self, call: Callable[[Any], Any], indices: list[int] | None = None) -> list[tuple[Any, Any]]:
-        """`call(worker)` on each worker (returning an ObjectRef, or a tuple of them whose last one is waited on);
-        a call whose worker died is re-issued on the restarted worker, up to ray.max_rollout_retries times.
-        Returns (refs, value of the waited-on ref) per worker. Seeded sampling makes a re-issued step's samples
-        the lost ones exactly: none is lost or duplicated."""
-        indices = list(range(len(self.workers))) if indices is None else indices
+    def issue(self, call: Callable[[Any], Any], indices: list[int] | None = None) -> dict[int, Any]:
+        """`call(worker)` on each worker (indices: all); returns its refs (an ObjectRef, or a tuple of them)."""
+        return {i: call(self.workers[i]) for i in (range(len(self.workers)) if indices is None else indices)}
+
+    def collect(self, refs: dict[int, Any], call: Callable[[Any], Any]) -> list[tuple[Any, Any]]:
+        """Wait for each issued call (a tuple's last ref); a call whose worker died (or hung past
+        ray.step_timeout_s) is re-issued on the restarted worker, up to ray.max_rollout_retries times. Returns
+        (refs, value of the waited-on ref) per worker. Each call names the policy version it needs, and seeded
+        sampling redraws a re-issued step's samples exactly: none is lost or duplicated."""
         retries, timeout = self.cfg.ray.max_rollout_retries, self.cfg.ray.step_timeout_s
-        refs = {i: call(self.workers[i]) for i in indices}
         out = []
-        for i in indices:
+        for i, issued in refs.items():
             for attempt in range(retries + 1):
-                waited = refs[i][-1] if isinstance(refs[i], (tuple, list)) else refs[i]
+                waited = issued[-1] if isinstance(issued, (tuple, list)) else issued
                 try:
                     value = ray.get(waited, timeout=timeout)
                     break
@@ -189,9 +196,13 @@ class Controller:
                     self.console.print(f"[yellow]rollout worker {i} failed ({type(err).__name__}); restarting it "
                                        f"and re-issuing its call ({attempt + 1}/{retries})", soft_wrap=True)
                     self._revive(i, err)
-                    refs[i] = call(self.workers[i])
-            out.append((refs[i], value))
+                    issued = call(self.workers[i])
+            out.append((issued, value))
         return out
+
+    def on_workers(self, call: Callable[[Any], Any], indices: list[int] | None = None) -> list[tuple[Any, Any]]:
+        """`issue` then `collect`."""
+        return self.collect(self.issue(call, indices), call)
 
     def _resume_hint(self) -> str:
         ckpt = latest_checkpoint(self.run_dir)
@@ -201,14 +212,29 @@ class Controller:
                 f"`steadyrl train --resume {self.run_dir}`")
 
     # ---------------------------------------------------------------- pieces of a step
+    def weights_box(self) -> list[Any] | None:
+        """The current policy's weights as a worker call takes them ([ObjectRef]; None: the base weights)."""
+        return None if self._weights is None else [self._weights]
+
     def sync_weights(self) -> float:
-        t0 = time.perf_counter()
+        """Publish the learner's weights as policy `self.version`; returns the slowest worker's seconds to fetch
+        and load them. Under pipelining the workers load them after the generation already under way."""
         self._weights = self.learner.weights()  # an ObjectRef: the driver never fetches the tensors
-        self.on_workers(lambda w: w.set_weights.remote(self._weights))
-        return time.perf_counter() - t0
+        version, box = self.version, self.weights_box()
+        return max(seconds for _, seconds in self.on_workers(lambda w: w.set_weights.remote(version, box)))
+
+    def launch(self, step: int) -> None:
+        """Start every worker's rollout of `step` with the current policy (after a resume: the policy the
+        interrupted run had launched it with); `collect` waits for it."""
+        version, box = self.resume_launch.pop(step, (self.version, self.weights_box()))
+        self._snapshots = {v: b for v, b in self._snapshots.items() if v >= self.version - self.cfg.learner.max_staleness}
+        self._snapshots[version] = box
+        call = lambda w: w.generate.remote(step, version, box)  # noqa: E731 - re-issued as it is after a restart
+        self.pending[step] = (version, call, self.issue(call))
 
     def evaluate(self, step: int) -> dict[str, Any]:
-        result = self.on_workers(lambda w: w.evaluate.remote(self.cfg.run.eval_seed), [0])[0][1]
+        version, box = self.version, self.weights_box()
+        result = self.on_workers(lambda w: w.evaluate.remote(self.cfg.run.eval_seed, version, box), [0])[0][1]
         result["step"] = step
         self.testbed.save_eval(result, self.run_dir / f"samples_step_{step:04d}",
                                f"step {step}: {self.testbed.headline_text(result['gold_accuracy'])}")
@@ -224,7 +250,13 @@ class Controller:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
         self.learner.save(str(tmp))
-        (tmp / "controller.json").write_text(json.dumps({"step": step, "evals": len(self.evals)}))
+        # rollouts already under way (pipelining) sampled with older weights: keep those, so a resume redraws them
+        launched = {j: version for j, (version, _, _) in self.pending.items()}
+        older = {version: box for version, box in self._snapshots.items()
+                 if version in launched.values() and version not in (0, self.version)}
+        ray.get([write_weights.remote(box, str(tmp / f"rollout_policy_v{v}.safetensors")) for v, box in older.items()])
+        (tmp / "controller.json").write_text(json.dumps({"step": step, "evals": len(self.evals), "version": self.version,
+                                                         "pending": {str(j): v for j, v in launched.items()}}))
         shutil.rmtree(final, ignore_errors=True)
         os.rename(tmp, final)
         write_text_atomically(root / "latest", final.name)
@@ -238,7 +270,12 @@ class Controller:
         state = json.loads((ckpt / "controller.json").read_text())
         evals_path = self.run_dir / "evals.json"
         self.evals = json.loads(evals_path.read_text())[: state["evals"]] if evals_path.exists() else []
+        self.version = int(state.get("version", state["step"]))
         self.sync_weights()
+        for j, version in state.get("pending", {}).items():  # relaunch the in-flight rollouts as they were
+            box = (None if version == 0 else self.weights_box() if version == self.version
+                   else [ray.put(load_file(str(ckpt / f"rollout_policy_v{version}.safetensors")))])
+            self.resume_launch[int(j)] = (int(version), box)
         # metrics.jsonl may hold steps past the checkpoint: drop them so the log matches the state
         path = self.run_dir / "metrics.jsonl"
         if path.exists():
@@ -271,13 +308,21 @@ class Controller:
             with progress:
                 task = progress.add_task("rl", total=cfg.run.steps, completed=start, proxy=0.0, gold=0.0, kl=0.0,
                                          dt=0.0)
+                next_launch = start
                 for step in range(start, cfg.run.steps):
                     t0 = time.perf_counter()
                     self.restarts_this_step = 0
-                    outs = self.on_workers(lambda w: w.generate.remote(step))
+                    # pipelining (learner.max_staleness = s): rollouts of steps up to step + s start now, with the
+                    # current weights, and run while the learner trains; s = 0 is the synchronous loop
+                    while next_launch < cfg.run.steps and next_launch <= step + cfg.learner.max_staleness:
+                        self.launch(next_launch)
+                        next_launch += 1
+                    _, call, issued = self.pending.pop(step)
+                    outs = self.collect(issued, call)
                     batch_refs = [refs[0] for refs, _ in outs]
                     summaries = [summary for _, summary in outs]
                     metrics = get_all(self.learner.update(*batch_refs), cfg.ray.step_timeout_s)[0]  # rank 0's
+                    self.version += 1
                     metrics["timing_s/sync"] = self.sync_weights()
                     metrics.update(merge_summaries(summaries))
                     metrics["faults/rollout_restarts"] = float(self.restarts_this_step)

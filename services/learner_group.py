@@ -84,12 +84,16 @@ class LearnerGroup:
             for r in range(n)
         ]
         self.zero3 = cfg.learner.zero_stage == 3
-        addr, port = ray.get(self.actors[0].rendezvous.remote())
-        self._init = [a.init_engine.remote(base_weights, addr, port) for a in self.actors]
+        self._base_weights = base_weights
+        self._init: list[ray.ObjectRef] | None = None
 
     def ready(self) -> list[ray.ObjectRef]:
-        """Refs that resolve once every rank has joined the process group and built its engine (to where each
-        rank runs)."""
+        """Start the engines (rank 0's address is the rendezvous) and return refs that resolve once every rank
+        has joined the process group and built its engine (to where each rank runs). The actors' processes
+        start at construction, so other set-up (the reward app) can run meanwhile."""
+        if self._init is None:
+            addr, port = ray.get(self.actors[0].rendezvous.remote())
+            self._init = [a.init_engine.remote(self._base_weights, addr, port) for a in self.actors]
         return self._init
 
     def update(self, *batch_refs: ray.ObjectRef) -> list[ray.ObjectRef]:

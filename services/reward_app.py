@@ -589,10 +589,10 @@ class RewardEnsembleIngress:
 
     def __init__(self, members: list[DeploymentHandle], member_names: list[str], monitors: list[DeploymentHandle],
                  monitor_names: list[str], train_on: str, feature_model: str | None = None, testbed: str = "digits",
-                 correct: Sequence[str] = (), rest: RestSettings | None = None):
+                 correct: Sequence[str] = (), rest: RestSettings | None = None, digest: str = ""):
         """`feature_model`: a member whose `features` come back with `score_tensors` (None: no features);
         `correct`: monitors that also report `<name>_correct` (digits' gold classifier, arith's exact verifier);
-        `rest`: the REST API's limits and token digest."""
+        `rest`: the REST API's limits and token digest; `digest`: what the app was built from (`app_digest`)."""
         if testbed not in TESTBEDS:
             raise ValueError(f"testbed={testbed!r} must be one of {list(TESTBEDS)}")
         if feature_model is not None and feature_model not in member_names:
@@ -603,6 +603,11 @@ class RewardEnsembleIngress:
         self.correct = set(correct)
         self.train_on, self.feature_model = train_on, feature_model
         self.rest = rest or RestSettings()
+        self.digest = digest
+
+    def app_digest(self) -> str:
+        """The digest of the models and settings this app was built from: a run finding the same one reuses it."""
+        return self.digest
 
     def __serve_build_asgi_app__(self) -> FastAPI:
         """Serve calls this on each replica, after __init__: the REST app of this testbed and these limits."""
@@ -750,6 +755,7 @@ def build_reward_app(cfg: RewardConfig | VerifierSpec | ImageRewardConfig,
                             "max_ongoing_requests": serve_cfg.max_ongoing_requests}
     batching = {"max_batch_size": serve_cfg.max_batch_size, "batch_wait_timeout_s": serve_cfg.batch_wait_timeout_s,
                 "batching": serve_cfg.batching}
+    digest = app_digest(cfg, serve_cfg)
 
     def model(name: str, spec: Any) -> serve.Application:
         model_opts = opts
@@ -762,24 +768,56 @@ def build_reward_app(cfg: RewardConfig | VerifierSpec | ImageRewardConfig,
     if isinstance(cfg, VerifierSpec):
         exact = cfg.model_copy(update={"partial_credit": False, "name": "exact"})
         return ingress.bind([model(f"reward_{cfg.name}", cfg)], [cfg.name], [model("monitor_exact", exact)],
-                            ["exact"], cfg.name, cfg.name, "arith", ["exact"], rest)
+                            ["exact"], cfg.name, cfg.name, "arith", ["exact"], rest, digest)
     if isinstance(cfg, ImageRewardConfig):
         trained, monitors = cfg.trained_specs(), cfg.monitor_specs()
         return ingress.bind([model(f"reward_{s.name}", s) for s in trained], [s.name for s in trained],
                             [model(f"monitor_{s.name}", s) for s in monitors], [s.name for s in monitors],
-                            cfg.train_on, cfg.feature_model_name(), "text_to_image", (), rest)
+                            cfg.train_on, cfg.feature_model_name(), "text_to_image", (), rest, digest)
     specs = cfg.member_specs()
     members = [model(f"reward_{s.name}", s) for s in specs]
     gold = model(f"monitor_{cfg.gold.name}", cfg.gold)
     return ingress.bind(members, [s.name for s in specs], [gold], [cfg.gold.name], cfg.train_on, cfg.feature_model,
-                        "digits", [cfg.gold.name], rest)
+                        "digits", [cfg.gold.name], rest, digest)
+
+
+# ServeConfig fields that shape the app (host/port are the proxy's; timeouts and retries are the callers')
+APP_SETTINGS = ("replica_cpus", "replica_gpus", "batching", "max_batch_size", "batch_wait_timeout_s",
+                "max_ongoing_requests", "max_request_samples", "max_body_bytes")
+
+
+def app_digest(cfg: RewardConfig | VerifierSpec | ImageRewardConfig, serve_cfg: ServeConfig) -> str:
+    """SHA-256 of what an app is built from: the reward models' specs, the settings that shape the deployments
+    and the REST API, and the bearer token's own digest."""
+    rest = RestSettings.from_config(serve_cfg)
+    from importlib.metadata import version
+
+    payload = {"steadyrl": version("steadyrl"), "kind": type(cfg).__name__, "spec": cfg.model_dump(mode="json"),
+               "serve": {k: getattr(serve_cfg, k) for k in APP_SETTINGS}, "token": rest.token_sha256}
+    return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
+
+
+def running_app_digest(name: str = APP_NAME) -> str | None:
+    """The digest of the app `name` if it is deployed and RUNNING (None otherwise)."""
+    app = serve.status().applications.get(name)
+    if app is None or app.status != "RUNNING":
+        return None
+    try:
+        return serve.get_app_handle(name).app_digest.remote().result(timeout_s=30)
+    except Exception:  # noqa: BLE001 - an app of another build (no app_digest) or not answering: not ours
+        return None
 
 
 def deploy_reward_app(cfg: RewardConfig | VerifierSpec | ImageRewardConfig, serve_cfg: ServeConfig | None = None,
-                      name: str = APP_NAME, route_prefix: str = ROUTE_PREFIX) -> None:
+                      name: str = APP_NAME, route_prefix: str = ROUTE_PREFIX, reuse: bool = False) -> bool:
     """Deploy (or update) the ensemble as the Serve application `name` (default `reward`) under `route_prefix`
-    (default /reward)."""
+    (default /reward). With `reuse`, an app of that name already running the same ensemble (same `app_digest`:
+    a RayService's, or an earlier run's on this cluster) is left as it is. Returns whether it deployed."""
+    serve_cfg = serve_cfg or ServeConfig()
+    if reuse and route_prefix == ROUTE_PREFIX and running_app_digest(name) == app_digest(cfg, serve_cfg):
+        return False
     serve.run(build_reward_app(cfg, serve_cfg), name=name, route_prefix=route_prefix)
+    return True
 
 
 def app_builder(args: dict[str, Any]) -> serve.Application:

@@ -48,17 +48,25 @@ def serve_port(ray_cluster) -> int:
     return port
 
 
-@pytest.fixture()
-def reward_url(serve_port) -> str:
-    """Base URL of the reward ensemble app, (re)deployed if a run removed it."""
-    from ray import serve
-
+def ensure_digits_app() -> None:
+    """The default digits reward ensemble deployed (again, if a run or test replaced it). Digits runs find it
+    serving their ensemble and use it instead of deploying their own (~30 s each on 2 cores)."""
     from steadyrl.reward.config import RewardConfig
-    from steadyrl.services.reward_app import APP_NAME, ROUTE_PREFIX, deploy_reward_app
+    from steadyrl.services.reward_app import deploy_reward_app
 
-    apps = serve.status().applications
-    if APP_NAME not in apps or apps[APP_NAME].status != "RUNNING":
-        deploy_reward_app(RewardConfig())
+    deploy_reward_app(RewardConfig(), reuse=True)
+
+
+@pytest.fixture()
+def digits_app(serve_port) -> None:
+    ensure_digits_app()
+
+
+@pytest.fixture()
+def reward_url(serve_port, digits_app) -> str:
+    """Base URL of the reward ensemble app."""
+    from steadyrl.services.reward_app import ROUTE_PREFIX
+
     return f"http://127.0.0.1:{serve_port}{ROUTE_PREFIX}"
 
 
@@ -79,6 +87,7 @@ def smoke_straight(ray_cluster, serve_port, tmp_path_factory):
     from steadyrl.services.config import CONFIG_DIR
     from steadyrl.services.controller import train
 
+    ensure_digits_app()
     result = train(CONFIG_DIR / "smoke.yaml", [f"run.run_dir={tmp_path_factory.mktemp('smoke') / 'straight'}",
                                                *SMOKE_SHORT])
     assert result.steps_done == 6

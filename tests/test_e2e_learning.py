@@ -7,6 +7,7 @@ import shutil
 import pytest
 from typer.testing import CliRunner
 
+from conftest import ensure_digits_app
 from steadyrl.services.cli import app
 from steadyrl.services.config import CONFIG_DIR
 from steadyrl.services.controller import latest_checkpoint, train
@@ -17,6 +18,7 @@ SMOKE = CONFIG_DIR / "smoke.yaml"
 
 @pytest.fixture(scope="module")
 def smoke_run(ray_cluster, serve_port, tmp_path_factory):
+    ensure_digits_app()
     run_dir = tmp_path_factory.mktemp("smoke") / "run"
     result = train(SMOKE, [f"run.run_dir={run_dir}"])
     assert not result.interrupted and result.steps_done == 30
@@ -27,6 +29,7 @@ def smoke_run(ray_cluster, serve_port, tmp_path_factory):
 def flow_run(ray_cluster, serve_port, tmp_path_factory):
     """The rectified-flow preset, cut to 20 steps of 8 images per class (in-process, seed 0: gold accuracy
     69% -> 79%, proxy reward 0.80 -> 0.90 over the last 5 steps)."""
+    ensure_digits_app()
     run_dir = tmp_path_factory.mktemp("flow") / "run"
     result = train(CONFIG_DIR / "digits-flow-grpo.yaml",
                    [f"run.run_dir={run_dir}", "run.steps=20", "run.eval_every=20", "run.checkpoint_every=20",
@@ -107,7 +110,7 @@ def test_resume_continues_from_the_latest_checkpoint(smoke_run, tmp_path):
     ("gardo.paper", ["gardo/gate_frac", "gardo/beta", "gardo/kl_gated", "gardo/resets", "policy/ratio_std"]),
     ("draft", ["reward/backprop_mean"]),
 ])
-def test_new_objectives_run_through_the_services_and_log_their_diagnostics(ray_cluster, serve_port, tmp_path, objective,
+def test_new_objectives_run_through_the_services_and_log_their_diagnostics(ray_cluster, digits_app, tmp_path, objective,
                                                                            own_keys):
     """GARDO reads the Serve ensemble's per-model scores and features; DRaFT's learner actor loads the
     differentiable training reward itself. Both log their own keys to metrics.jsonl and TensorBoard."""

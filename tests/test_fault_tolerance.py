@@ -58,6 +58,14 @@ def _in_thread(run: Path, overrides: list[str]) -> tuple[threading.Thread, dict[
     return thread, out
 
 
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
 def _replica(deployment: str) -> tuple[str, int]:
     """(actor name, pid) of the one replica of the reward app's `deployment`."""
     names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
@@ -112,7 +120,8 @@ def test_only_process_failures_and_timeouts_are_retried(ray_cluster):
         with_retries(lambda: calls.append(1) or (_ for _ in ()).throw(ValueError("x")), 5, 0.0, "bad")
 
 
-def test_killed_rollout_worker_and_reward_replica_are_replaced_without_losing_a_sample(smoke_straight, tmp_path):
+def test_killed_rollout_worker_and_reward_replica_are_replaced_without_losing_a_sample(smoke_straight, digits_app,
+                                                                                       tmp_path):
     run = tmp_path / "faults"
     thread, out = _in_thread(run, SMOKE_SHORT)
     _wait_for(lambda: _steps_logged(run) >= 1, "step 1")
@@ -137,7 +146,8 @@ def test_killed_rollout_worker_and_reward_replica_are_replaced_without_losing_a_
     print("reward calls retried:", sum(r["faults/reward_retries"] for r in rows), "replica killed:", name)
 
 
-def test_a_dead_learner_fails_the_run_with_the_checkpoint_intact_and_says_how_to_resume(smoke_straight, tmp_path):
+def test_a_dead_learner_fails_the_run_with_the_checkpoint_intact_and_says_how_to_resume(smoke_straight, digits_app,
+                                                                                       tmp_path):
     run = tmp_path / "learner-dies"
     thread, out = _in_thread(run, SMOKE_SHORT)
     _wait_for(lambda: _steps_logged(run) >= 4, "step 4 (after the step-3 checkpoint)")
@@ -149,7 +159,9 @@ def test_a_dead_learner_fails_the_run_with_the_checkpoint_intact_and_says_how_to
     assert "the learner died during step" in message and f"steadyrl train --resume {run}" in message, message
     ckpts = run / "checkpoints"
     assert (ckpts / "latest").read_text().strip() == "step_3" and not list(ckpts.glob(".*tmp*"))
-    assert APP_NAME not in serve.status().applications  # the run cleaned up what it deployed
+    # the run stopped its own actors and left the reward app it found serving (the session's)
+    _wait_for(lambda: not _alive(_pid(run, "rollout_0")), "the rollout worker to be stopped", 60)
+    assert serve.status().applications[APP_NAME].status == "RUNNING"
     # intact: resuming from it trains step 4 exactly as the run nobody killed did
     resumed = train(resume_dir=run, overrides=["run.steps=4"])
     assert resumed.steps_done == 4

@@ -1,0 +1,59 @@
+"""One-step-off-policy pipelining through the real services (learner.max_staleness=1): rollouts of step k+1 are
+sampled with the weights of step k-1 while the learner trains on step k, each batch carries its policy version,
+the learner weights the lagged terms by pi_prox/pi_b, and a run killed mid-way resumes to the very same run
+(the in-flight rollout's older weights are in the checkpoint)."""
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+
+from conftest import SMOKE_SHORT, computed_metrics
+from test_fault_tolerance import _in_thread, _pid, _steps_logged, _wait_for
+from steadyrl.services.config import CONFIG_DIR
+from steadyrl.services.controller import RunFailed, train
+from steadyrl.services.report import read_metrics
+
+SMOKE = CONFIG_DIR / "smoke.yaml"
+ASYNC = [*SMOKE_SHORT, "learner.max_staleness=1"]
+
+
+@pytest.fixture(scope="module")
+def async_run(ray_cluster, serve_port, tmp_path_factory):
+    from conftest import ensure_digits_app
+
+    ensure_digits_app()
+    result = train(SMOKE, [f"run.run_dir={tmp_path_factory.mktemp('async') / 'straight'}", *ASYNC])
+    assert result.steps_done == 6
+    return result
+
+
+def test_pipelined_batches_lag_one_update_and_are_reweighted(async_run, smoke_straight):
+    rows = read_metrics(async_run.run_dir)
+    # step 1 samples the base policy the learner still has; every later batch was sampled one update back
+    assert [r["async/staleness_max"] for r in rows] == [0.0] + [1.0] * 5
+    assert rows[0]["async/behaviour_weight_mean"] == 1.0
+    for r in rows[1:]:
+        assert r["async/behaviour_weight_mean"] != 1.0 and r["async/behaviour_weight_max"] <= 2.0
+        assert r["async/behaviour_weight_min"] > 0.0
+    assert [r["rollout/samples"] for r in rows] == [40.0] * 6 and [r["policy/samples"] for r in rows] == [40.0] * 6
+    sync = read_metrics(smoke_straight.run_dir)
+    # the first step is the same computation; from the second the batches come from other weights
+    same = ("reward/train_mean", "policy/ratio_mean", "policy/grad_norm")
+    assert all(rows[0][k] == sync[0][k] for k in same)
+    assert rows[1]["reward/train_mean"] != sync[1]["reward/train_mean"]
+
+
+def test_a_killed_pipelined_run_resumes_to_the_same_run(async_run, digits_app, tmp_path):
+    run = tmp_path / "killed"
+    thread, out = _in_thread(run, ASYNC)
+    _wait_for(lambda: _steps_logged(run) >= 4, "step 4 (after the step-3 checkpoint)")
+    os.kill(_pid(run, "learner_0"), signal.SIGKILL)
+    thread.join(timeout=300)
+    assert isinstance(out.get("error"), RunFailed), out
+    step3 = run / "checkpoints" / "step_3"
+    assert (step3 / "rollout_policy_v2.safetensors").exists()  # step 4's rollout was launched with version 2
+    resumed = train(resume_dir=run)
+    assert resumed.steps_done == 6
+    assert computed_metrics(read_metrics(run)) == computed_metrics(read_metrics(async_run.run_dir))  # bitwise
