@@ -13,12 +13,13 @@ from ray import serve
 
 from steadyrl.reward.ensemble import attach_scores
 from steadyrl.rollout.batch import POLICY_VERSION, RolloutBatch
-from steadyrl.rollout.policy import load_trainable_state
+from steadyrl.rollout.policy import load_trainable_state, trainable_state
 from steadyrl.services.config import TrainConfig
 from steadyrl.services.retry import with_retries
 from steadyrl.services.reward_app import APP_NAME
 from steadyrl.services.runtime import redirect_output
 from steadyrl.services.testbeds import build_testbed
+from steadyrl.trainer.weight_broadcast import WeightBroadcastGroup
 
 
 def setup_process(cfg: TrainConfig, log_file: Path) -> None:
@@ -33,6 +34,12 @@ def actor_device(gpus: float) -> torch.device:
             raise RuntimeError(f"this actor asked Ray for {gpus} GPU(s) but torch sees no CUDA device")
         return torch.device("cuda")
     return torch.device("cpu")
+
+
+def actor_info(role: str, index: int) -> dict[str, Any]:
+    """Where this actor runs: role, index, pid, node and placement group (for the run folder's actors.json)."""
+    return {"role": role, "index": index, "pid": os.getpid(), "node": ray.util.get_node_ip_address(),
+            "placement_group": ray.get_runtime_context().get_placement_group_id()}
 
 
 def step_seed(seed: int, step: int, worker: int) -> int:
@@ -65,7 +72,8 @@ class RolloutWorker:
         self.sampler = self.testbed.build_sampler()
         self._reward = None
         self.reward_retries = 0
-        self.version = 0  # learner updates behind the weights this worker holds (0: the base weights)  # scoring calls retried since the last summary (a reward replica died)
+        self.version = 0  # learner updates behind the weights this worker holds (0: the base weights)
+        self.weight_group: WeightBroadcastGroup | None = None  # scoring calls retried since the last summary (a reward replica died)
 
     @property
     def reward(self) -> Any:
@@ -112,7 +120,21 @@ class RolloutWorker:
 
     def ready(self) -> dict[str, Any]:
         """Where this worker runs (written to the run folder's actors.json)."""
-        return {"role": "rollout", "index": self.index, "pid": os.getpid(), "node": ray.util.get_node_ip_address()}
+        return actor_info("rollout", self.index)
+
+    def join_weight_group(self, master_addr: str, master_port: int, size: int, backend: str) -> None:
+        """Become member index+1 of the learner's weight broadcast group (`ray.weight_sync: collective`)."""
+        self.weight_group = WeightBroadcastGroup(master_addr, master_port, self.index + 1, size, backend,
+                                                 self.cfg.ray.step_timeout_s)
+
+    def receive_weights(self, version: int) -> float:
+        """Receive policy `version` from learner rank 0's broadcast; returns the seconds it took."""
+        if self.weight_group is None:
+            raise RuntimeError(f"worker {self.index} is in no weight broadcast group")
+        t0 = time.perf_counter()
+        load_trainable_state(self.policy, self.weight_group.receive(trainable_state(self.policy)))
+        self.version = version
+        return time.perf_counter() - t0
 
     def set_weights(self, version: int, weights: list[Any] | None) -> float:
         """Hold policy `version`: `weights` is [ObjectRef of the learner's trained tensors] (whole network, or

@@ -151,6 +151,14 @@ class RayConfig(StrictModel):
     learner_gpus: float = Field(0, ge=0, description="GPUs the learner asks Ray for; > 0 runs DeepSpeed on cuda "
                                 "(NCCL) instead of the CPU (gloo)")
     torch_threads: int | None = Field(None, ge=1, description="None = all cores (phases run one after another)")
+    rollout_placement: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = Field(
+        "PACK", description="placement-group strategy of the rollout workers (one bundle each: actor_cpus and "
+        "rollout_gpus); SPREAD puts them on different nodes")
+    weight_sync: Literal["object_store", "collective"] = Field(
+        "object_store", description="how new weights reach the rollout workers: object_store (each fetches the "
+        "learner's tensors from Ray's object store; the CPU default) or collective (learner rank 0 broadcasts them "
+        "to every worker in a process group of their own: NCCL when learner and workers are on GPUs, else gloo; "
+        "nothing passes through the object store). collective needs learner.max_staleness=0")
     learner_placement: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = Field(
         "PACK", description="placement-group strategy of the learner ranks: PACK keeps them on as few nodes as "
         "possible (NCCL within a node is fastest); STRICT_SPREAD puts one rank per node")
@@ -210,6 +218,9 @@ class TrainConfig(StrictModel):
         if self.ray.rollout_workers > limit:
             raise ValueError(f"ray.rollout_workers={self.ray.rollout_workers} exceeds the {limit} prompts per step "
                              f"of testbed {self.testbed!r}")
+        if self.ray.weight_sync == "collective" and self.learner.max_staleness > 0:
+            raise ValueError("ray.weight_sync=collective needs learner.max_staleness=0 (pipelined rollouts re-issued "
+                             "after a worker restart need older weights, which only the object store keeps)")
         if text and self.arith.model.max_positions < self.sampler.gen_length + 20:
             raise ValueError(f"arith.model.max_positions={self.arith.model.max_positions} is shorter than the "
                              f"longest prompt + sampler.gen_length")

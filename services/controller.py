@@ -17,6 +17,8 @@ from typing import Any, Callable
 import ray
 from ray import serve
 from ray.exceptions import ActorUnavailableError, GetTimeoutError, RayActorError
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
@@ -28,7 +30,7 @@ from steadyrl.services.config import TrainConfig, dump_config, load_config
 from steadyrl.services.resume import check_resume, record_resume
 from steadyrl.services.report import MetricsWriter, read_metrics, save_curves
 from steadyrl.services.reward_app import APP_NAME, ROUTE_PREFIX, deploy_reward_app
-from steadyrl.services.learner_group import LearnerGroup
+from steadyrl.services.learner_group import LearnerGroup, wait_for_placement
 from steadyrl.services.runtime import init_ray, start_serve
 from steadyrl.services.testbeds import build_testbed
 
@@ -105,10 +107,17 @@ class Controller:
             # the actors' processes start now and come up while the reward app deploys
             self.learner = LearnerGroup(cfg, base_weights, self.run_dir)
             n = cfg.ray.rollout_workers
-            # Ray restarts a dead worker (from the base weights); `_revive` hands it the current ones
+            bundle = {"CPU": cfg.ray.actor_cpus, **({"GPU": cfg.ray.rollout_gpus} if cfg.ray.rollout_gpus else {})}
+            self.rollout_placement = placement_group([dict(bundle) for _ in range(n)],
+                                                     strategy=cfg.ray.rollout_placement, name="steadyrl-rollout")
+            wait_for_placement(self.rollout_placement, cfg.ray.placement_timeout_s, f"{n} rollout worker(s) of {bundle}")
+            # Ray restarts a dead worker in its bundle (from the base weights); each call names the weights it needs
             self.workers = [
-                RolloutWorker.options(num_cpus=cfg.ray.actor_cpus, num_gpus=cfg.ray.rollout_gpus, max_restarts=-1,
-                                      max_task_retries=0).remote(cfg_dict, base_weights, i, n, str(self.run_dir))
+                RolloutWorker.options(
+                    num_cpus=cfg.ray.actor_cpus, num_gpus=cfg.ray.rollout_gpus, max_restarts=-1, max_task_retries=0,
+                    scheduling_strategy=PlacementGroupSchedulingStrategy(self.rollout_placement,
+                                                                         placement_group_bundle_index=i),
+                ).remote(cfg_dict, base_weights, i, n, str(self.run_dir))
                 for i in range(n)
             ]
             # an app already serving this very ensemble (a RayService's, an earlier run's) is used and left up
@@ -116,6 +125,8 @@ class Controller:
             # wait until every actor is up (surfaces init errors here, not at the first step)
             infos = ray.get([*self.learner.ready(), *[w.ready.remote() for w in self.workers]])
             self.actors = {f"{a['role']}_{a['index']}": a for a in infos}
+            if cfg.ray.weight_sync == "collective":
+                self.form_weight_group()
             self._write_actors()
         self.reward_url = f"http://{cfg.serve.host}:{self.port}{ROUTE_PREFIX}"
         write_text_atomically(self.run_dir / "endpoints.json", json.dumps({"reward": self.reward_url}))
@@ -132,6 +143,8 @@ class Controller:
             return
         for actor in getattr(self, "workers", []):
             ray.kill(actor)
+        if hasattr(self, "rollout_placement"):
+            remove_placement_group(self.rollout_placement)
         if hasattr(self, "learner"):
             self.learner.kill()
         if self._started_serve:  # Serve is detached: on a shared cluster it would outlive the job
@@ -171,6 +184,10 @@ class Controller:
         self.restarts_this_step += 1
         self.actors[f"rollout_{i}"] = info
         self._write_actors()  # every call names its policy version: the re-issued one loads it
+        if self.cfg.ray.weight_sync == "collective":  # a new process: a new group, and the current weights to it
+            self.form_weight_group()
+            if self.version > 0:
+                self.broadcast_weights(self.version)
 
     def issue(self, call: Callable[[Any], Any], indices: list[int] | None = None) -> dict[int, Any]:
         """`call(worker)` on each worker (indices: all); returns its refs (an ObjectRef, or a tuple of them)."""
@@ -218,10 +235,31 @@ class Controller:
 
     def sync_weights(self) -> float:
         """Publish the learner's weights as policy `self.version`; returns the slowest worker's seconds to fetch
-        and load them. Under pipelining the workers load them after the generation already under way."""
+        (or receive) and load them. Under pipelining the workers load them after the generation under way."""
+        version = self.version
+        if self.cfg.ray.weight_sync == "collective":
+            return self.broadcast_weights(version)
         self._weights = self.learner.weights()  # an ObjectRef: the driver never fetches the tensors
-        version, box = self.version, self.weights_box()
+        box = self.weights_box()
         return max(seconds for _, seconds in self.on_workers(lambda w: w.set_weights.remote(version, box)))
+
+    def form_weight_group(self) -> None:
+        """(Re)build the broadcast group: learner rank 0 is member 0, worker i member i+1, rendezvous at rank 0's
+        node. NCCL when the learner and the workers are on GPUs, else gloo."""
+        ray_cfg = self.cfg.ray
+        backend = "nccl" if ray_cfg.learner_gpus > 0 and ray_cfg.rollout_gpus > 0 else "gloo"
+        addr, port = ray.get(self.learner.actors[0].rendezvous.remote())
+        size = 1 + len(self.workers)
+        get_all([self.learner.actors[0].join_weight_group.remote(addr, port, size, backend),
+                 *[w.join_weight_group.remote(addr, port, size, backend) for w in self.workers]],
+                ray_cfg.step_timeout_s)
+
+    def broadcast_weights(self, version: int) -> float:
+        """One collective broadcast from learner rank 0 to every worker (`ray.weight_sync: collective`)."""
+        sources = self.learner.broadcast_weights()
+        sinks = [w.receive_weights.remote(version) for w in self.workers]
+        done = get_all([*sources, *sinks], self.cfg.ray.step_timeout_s)
+        return max(done[len(sources):])
 
     def launch(self, step: int) -> None:
         """Start every worker's rollout of `step` with the current policy (after a resume: the policy the

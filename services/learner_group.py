@@ -18,11 +18,12 @@ from ray.util.placement_group import PlacementGroup, placement_group, remove_pla
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from steadyrl.rollout.batch import RolloutBatch
-from steadyrl.services.actors import actor_device, setup_process
+from steadyrl.services.actors import actor_device, actor_info, setup_process
 from steadyrl.services.builders import build_learner
 from steadyrl.services.config import TrainConfig
 from steadyrl.services.runtime import free_port, set_rank_env
 from steadyrl.services.testbeds import build_testbed
+from steadyrl.trainer.weight_broadcast import WeightBroadcastGroup
 
 
 @ray.remote
@@ -36,6 +37,7 @@ class LearnerActor:
         if actor_device(self.cfg.ray.learner_gpus).type == "cuda":  # fails clearly when torch sees no GPU
             os.environ["DS_ACCELERATOR"] = "cuda"  # before DeepSpeed first picks its accelerator
         self.learner = None
+        self.weight_group: WeightBroadcastGroup | None = None
 
     def rendezvous(self) -> tuple[str, int]:
         """This node's address and a free port on it: rank 0's is every rank's MASTER_ADDR/PORT."""
@@ -47,7 +49,16 @@ class LearnerActor:
         torch.manual_seed(self.cfg.run.seed)
         testbed = build_testbed(self.cfg)
         self.learner = build_learner(self.cfg, testbed.build_policy(base_weights).train(), testbed.build_sampler())
-        return {"role": "learner", "index": self.rank, "pid": os.getpid(), "node": ray.util.get_node_ip_address()}
+        return actor_info("learner", self.rank)
+
+    def join_weight_group(self, master_addr: str, master_port: int, size: int, backend: str) -> None:
+        """Rank 0: become member 0 (the source) of the broadcast group to the rollout workers."""
+        self.weight_group = WeightBroadcastGroup(master_addr, master_port, 0, size, backend, self.cfg.ray.step_timeout_s)
+
+    def broadcast_weights(self) -> int:
+        """Every rank gathers (ZeRO-3 needs all); rank 0 broadcasts to the rollout workers. Returns bytes sent."""
+        weights = self.learner.weights()
+        return self.weight_group.broadcast(weights) if self.rank == 0 else 0
 
     def update(self, *batches: RolloutBatch) -> dict[str, float]:
         t0 = time.perf_counter()
@@ -104,6 +115,10 @@ class LearnerGroup:
         """Rank 0's trained tensors (under ZeRO-3 every rank takes part in the gather)."""
         refs = [a.weights.remote() for a in (self.actors if self.zero3 else self.actors[:1])]
         return refs[0]
+
+    def broadcast_weights(self) -> list[ray.ObjectRef]:
+        """Rank 0's broadcast to the weight group (under ZeRO-3 every rank takes part in the gather)."""
+        return [a.broadcast_weights.remote() for a in (self.actors if self.zero3 else self.actors[:1])]
 
     def save(self, directory: str) -> None:
         ray.get([a.save.remote(directory) for a in self.actors])

@@ -18,7 +18,7 @@ RESUMES_LOG = "resumes.jsonl"
 RESUME_SAFE: frozenset[str] = frozenset({
     "run.steps", "run.progress", "run.eval_every", "run.checkpoint_every", "run.run_dir",
     "ray.address", "ray.num_cpus", "ray.actor_cpus", "ray.placement_timeout_s", "ray.learner_placement",
-    "ray.step_timeout_s", "ray.max_rollout_retries",
+    "ray.step_timeout_s", "ray.max_rollout_retries", "ray.weight_sync", "ray.rollout_placement",
     "serve.host", "serve.port", "serve.replica_cpus", "serve.max_request_samples", "serve.max_body_bytes",
     "serve.auth_token_env", "serve.auth_token_file", "serve.request_timeout_s", "serve.max_retries",
     "serve.retry_backoff_s",

@@ -59,3 +59,13 @@ def test_a_collectively_synced_run_equals_the_object_store_run_even_across_a_wor
     actors = json.loads((run / ACTORS_FILE).read_text())["actors"]
     groups = {name: a["placement_group"] for name, a in actors.items()}
     assert groups["learner_0"] and groups["rollout_0"] and groups["learner_0"] != groups["rollout_0"]
+
+
+def test_collective_sync_with_pipelined_rollouts_is_refused_naming_both_settings():
+    import pytest
+
+    from steadyrl.services.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match=r"ray.weight_sync=collective needs learner.max_staleness=0"):
+        load_config(None, ["ray.weight_sync=collective", "learner.max_staleness=1"])
+    assert load_config(None, ["ray.weight_sync=collective"]).ray.weight_sync == "collective"
