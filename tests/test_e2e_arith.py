@@ -11,12 +11,13 @@ from steadyrl.services.report import read_metrics
 
 @pytest.fixture(scope="module")
 def arith_run(ray_cluster, serve_port, tmp_path_factory):
-    """The default arith preset (GRPO), cut to 16 steps."""
+    """The default arith preset (GRPO), cut to 24 steps (in-process, seed 0, the cached base model of a fresh
+    machine: exact match 70.5 % -> 76 % at step 16, 85 % at step 24)."""
     run_dir = tmp_path_factory.mktemp("arith") / "run"
     result = train(CONFIG_DIR / "arith-grpo.yaml",
-                   [f"run.run_dir={run_dir}", "run.steps=16", "run.eval_every=16", "run.checkpoint_every=8",
+                   [f"run.run_dir={run_dir}", "run.steps=24", "run.eval_every=24", "run.checkpoint_every=12",
                     "run.progress=false", "serve.port=0"])
-    assert not result.interrupted and result.steps_done == 16
+    assert not result.interrupted and result.steps_done == 24
     return result
 
 
@@ -34,10 +35,10 @@ def test_grpo_on_the_masked_diffusion_lm_raises_exact_match(arith_run):
 
 def test_arith_run_folder_shows_examples_and_breakdown(arith_run):
     d = arith_run.run_dir
-    text = (d / "samples_step_0016.txt").read_text()
+    text = (d / "samples_step_0024.txt").read_text()
     assert "exact accuracy" in text and ("ok " in text or "XX " in text)
     assert {"2-digit answers", "3-digit answers"} <= set(arith_run.final_eval["breakdown"])
-    assert (d / "checkpoints" / "step_16" / "policy.safetensors").exists()
+    assert (d / "checkpoints" / "step_24" / "policy.safetensors").exists()
 
 
 def test_the_verifier_app_scores_text_and_token_ids_over_http(ray_cluster, serve_port):

@@ -96,9 +96,12 @@ def test_resume_continues_from_the_latest_checkpoint(smoke_run, tmp_path):
     # pretend the run crashed after step 30 with two more logged steps that no checkpoint holds
     with (run_dir / "metrics.jsonl").open("a") as f:
         f.write(json.dumps({"step": 31, "reward/train_mean": 0.0}) + "\n")
-    # resume with two rollout workers: their batches (distinct group ids) are joined in the learner
-    result = train(overrides=["run.steps=32", "run.eval_every=100", "ray.rollout_workers=2"], resume_dir=run_dir)
+    # resume with two rollout workers: their batches (distinct group ids) are joined in the learner. That changes
+    # the sampling noise (seeded per worker), so the resume has to be told it may
+    result = train(overrides=["run.steps=32", "run.eval_every=100", "ray.rollout_workers=2"], resume_dir=run_dir,
+                   allow_changes=True)
     assert result.steps_done == 32 and not result.interrupted
+    assert json.loads((run_dir / "resumes.jsonl").read_text())["meaning_changed"] == ["ray.rollout_workers"]
     rows = read_metrics(run_dir)
     assert [r["step"] for r in rows] == list(range(1, 33))
     assert rows[30]["reward/train_mean"] > 0.5  # the stale row 31 was replaced by a real one

@@ -366,5 +366,14 @@ def test_the_rayservice_builder_builds_the_app_a_config_describes():
 
     app = app_builder({"config": str(CONFIG_DIR / "arith-grpo.yaml"), "overrides": ["serve.max_request_samples=7"]})
     assert isinstance(app, serve.Application)
-    rest = app._bound_deployment.init_args[-1]
+    *_, rest, digest = app._bound_deployment.init_args
     assert rest.max_samples == 7 and rest.token_sha256 is None
+    # the digest a run compares before reusing a running app: it moves with what the app is built from
+    from steadyrl.reward.verifiers import VerifierSpec
+    from steadyrl.services.config import ServeConfig
+    from steadyrl.services.reward_app import app_digest
+
+    spec = VerifierSpec(task="addition")
+    assert len(digest) == 64
+    assert app_digest(spec, ServeConfig()) == app_digest(spec, ServeConfig(port=1234, max_retries=0))
+    assert app_digest(spec, ServeConfig()) != app_digest(spec, ServeConfig(max_request_samples=7))
