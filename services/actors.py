@@ -22,9 +22,19 @@ from steadyrl.services.testbeds import build_testbed
 from steadyrl.trainer.weight_broadcast import WeightBroadcastGroup
 
 
+def torch_threads(cfg: TrainConfig, cores: int | None = None) -> int:
+    """ray.torch_threads, else every core of the node when the phases run one after another, and half of them
+    under pipelining (learner.max_staleness > 0), where rollout and learner compute at the same time: two
+    processes with a thread per core each oversubscribe the node (on 2 cores both ran 2-7x slower)."""
+    if cfg.ray.torch_threads:
+        return cfg.ray.torch_threads
+    cores = cores or os.cpu_count() or 1
+    return max(1, cores // 2) if cfg.learner.max_staleness > 0 else cores
+
+
 def setup_process(cfg: TrainConfig, log_file: Path) -> None:
     redirect_output(log_file)
-    torch.set_num_threads(cfg.ray.torch_threads or os.cpu_count() or 1)
+    torch.set_num_threads(torch_threads(cfg))
 
 
 def actor_device(gpus: float) -> torch.device:
@@ -63,6 +73,8 @@ class RolloutWorker:
 
     def __init__(self, cfg: dict[str, Any], base_weights: dict[str, torch.Tensor], index: int, n_workers: int,
                  run_dir: str):
+        """`base_weights` arrive through the object store; after a restart Ray passes them again (the controller
+        keeps their ref alive)."""
         self.cfg = TrainConfig.model_validate(cfg)
         setup_process(self.cfg, Path(run_dir) / "logs" / f"rollout_{index}.log")
         self.index, self.n_workers = index, n_workers

@@ -50,7 +50,7 @@ def train(
                                        "computes (objective, sampler, seed, ...); recorded in resumes.jsonl"),
 ) -> None:
     """Pretrain if needed, then RL through local Ray (rollout actor -> Serve rewards -> DeepSpeed learner)."""
-    from steadyrl.services.controller import train as run_train
+    from steadyrl.services.controller import RunFailed, train as run_train
 
     args = args or []
     if allow_changes and resume is None:
@@ -64,10 +64,21 @@ def train(
             result = run_train(overrides=args, resume_dir=resume, console=console, allow_changes=allow_changes)
         except (ConfigError, FileNotFoundError) as err:
             _fail(str(err))
+        except RunFailed as err:
+            _run_failed(err)
     else:
         config, overrides, _ = _load(args)
-        result = run_train(config, overrides, console=console)
+        try:
+            result = run_train(config, overrides, console=console)
+        except RunFailed as err:
+            _run_failed(err)
     raise typer.Exit(130 if result.interrupted else 0)
+
+
+def _run_failed(err: Exception) -> None:
+    """A run stopped by a failure it could not recover from: the message says how to resume; exit status 1."""
+    console.print(f"[red]run failed:[/red] {err}", soft_wrap=True)
+    raise typer.Exit(1)
 
 
 @app.command()

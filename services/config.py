@@ -150,7 +150,9 @@ class RayConfig(StrictModel):
                                 "policy, noise and VAE on cuda (fractions share a GPU between workers)")
     learner_gpus: float = Field(0, ge=0, description="GPUs the learner asks Ray for; > 0 runs DeepSpeed on cuda "
                                 "(NCCL) instead of the CPU (gloo)")
-    torch_threads: int | None = Field(None, ge=1, description="None = all cores (phases run one after another)")
+    torch_threads: int | None = Field(None, ge=1, description="torch threads per actor; None = all cores when the "
+                                      "phases run one after another, half of them under pipelining "
+                                      "(learner.max_staleness > 0: rollout and learner compute at once)")
     rollout_placement: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = Field(
         "PACK", description="placement-group strategy of the rollout workers (one bundle each: actor_cpus and "
         "rollout_gpus); SPREAD puts them on different nodes")
