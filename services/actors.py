@@ -83,9 +83,9 @@ class RolloutWorker:
         self.policy = self.testbed.build_policy(base_weights).to(self.device)
         self.sampler = self.testbed.build_sampler()
         self._reward = None
-        self.reward_retries = 0
+        self.reward_retries = 0  # scoring calls retried since the last summary (a reward replica died)
         self.version = 0  # learner updates behind the weights this worker holds (0: the base weights)
-        self.weight_group: WeightBroadcastGroup | None = None  # scoring calls retried since the last summary (a reward replica died)
+        self.weight_group: WeightBroadcastGroup | None = None  # ray.weight_sync=collective
 
     @property
     def reward(self) -> Any:
