@@ -17,7 +17,7 @@ from typing import Any, Callable
 import ray
 from ray import serve
 from ray.exceptions import ActorUnavailableError, GetTimeoutError, RayActorError
-from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.placement_group import remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
@@ -28,9 +28,10 @@ from steadyrl.rollout.cache import write_text_atomically
 from steadyrl.services.actors import RolloutWorker, write_weights
 from steadyrl.services.config import TrainConfig, dump_config, load_config
 from steadyrl.services.resume import check_resume, record_resume
+from steadyrl.services.retry import first_line
 from steadyrl.services.report import MetricsWriter, read_metrics, save_curves
 from steadyrl.services.reward_app import APP_NAME, ROUTE_PREFIX, deploy_reward_app
-from steadyrl.services.learner_group import LearnerGroup, wait_for_placement
+from steadyrl.services.learner_group import LearnerGroup, reserve_bundles
 from steadyrl.services.runtime import init_ray, start_serve
 from steadyrl.services.testbeds import build_testbed
 
@@ -81,9 +82,9 @@ class Controller:
         self._deployed_app = False  # this run deployed the reward app (not found already serving its ensemble)
         self._weights: Any = None  # ObjectRef of the weights last synced (None: the base weights)
         self.version = 0  # updates behind the weights last synced (= steps done)
-        self.pending: dict[int, tuple[int, Callable[[Any], Any], dict[int, Any]]] = {}  # step -> version, call, refs
+        # rollouts launched and not yet collected: step -> (policy version, its weights box, the call, its refs)
+        self.pending: dict[int, tuple[int, list[Any] | None, Callable[[Any], Any], dict[int, Any]]] = {}
         self.resume_launch: dict[int, tuple[int, list[Any] | None]] = {}  # restored: step -> version, weights
-        self._snapshots: dict[int, list[Any] | None] = {}  # version -> weights of the rollouts in flight
         self.actors: dict[str, dict[str, Any]] = {}
         self.restarts = self.restarts_this_step = 0
 
@@ -107,10 +108,9 @@ class Controller:
             # the actors' processes start now and come up while the reward app deploys
             self.learner = LearnerGroup(cfg, base_weights, self.run_dir)
             n = cfg.ray.rollout_workers
-            bundle = {"CPU": cfg.ray.actor_cpus, **({"GPU": cfg.ray.rollout_gpus} if cfg.ray.rollout_gpus else {})}
-            self.rollout_placement = placement_group([dict(bundle) for _ in range(n)],
-                                                     strategy=cfg.ray.rollout_placement, name="steadyrl-rollout")
-            wait_for_placement(self.rollout_placement, cfg.ray.placement_timeout_s, f"{n} rollout worker(s) of {bundle}")
+            self.rollout_placement = reserve_bundles(n, cfg.ray.actor_cpus, cfg.ray.rollout_gpus,
+                                                     cfg.ray.rollout_placement, "steadyrl-rollout",
+                                                     cfg.ray.placement_timeout_s)
             # Ray restarts a dead worker in its bundle (from the base weights); each call names the weights it needs
             self.workers = [
                 RolloutWorker.options(
@@ -208,7 +208,7 @@ class Controller:
                     break
                 except (RayActorError, GetTimeoutError) as err:
                     if attempt == retries:
-                        raise RunFailed(f"rollout worker {i} failed {retries + 1} times in a row ({_first_line(err)}; "
+                        raise RunFailed(f"rollout worker {i} failed {retries + 1} times in a row ({first_line(err)}; "
                                         "ray.max_rollout_retries)" + self._resume_hint()) from None
                     self.console.print(f"[yellow]rollout worker {i} failed ({type(err).__name__}); restarting it "
                                        f"and re-issuing its call ({attempt + 1}/{retries})", soft_wrap=True)
@@ -265,10 +265,8 @@ class Controller:
         """Start every worker's rollout of `step` with the current policy (after a resume: the policy the
         interrupted run had launched it with); `collect` waits for it."""
         version, box = self.resume_launch.pop(step, (self.version, self.weights_box()))
-        self._snapshots = {v: b for v, b in self._snapshots.items() if v >= self.version - self.cfg.learner.max_staleness}
-        self._snapshots[version] = box
         call = lambda w: w.generate.remote(step, version, box)  # noqa: E731 - re-issued as it is after a restart
-        self.pending[step] = (version, call, self.issue(call))
+        self.pending[step] = (version, box, call, self.issue(call))
 
     def evaluate(self, step: int) -> dict[str, Any]:
         version, box = self.version, self.weights_box()
@@ -289,9 +287,8 @@ class Controller:
         tmp.mkdir(parents=True)
         self.learner.save(str(tmp))
         # rollouts already under way (pipelining) sampled with older weights: keep those, so a resume redraws them
-        launched = {j: version for j, (version, _, _) in self.pending.items()}
-        older = {version: box for version, box in self._snapshots.items()
-                 if version in launched.values() and version not in (0, self.version)}
+        launched = {j: version for j, (version, _, _, _) in self.pending.items()}
+        older = {version: box for version, box, _, _ in self.pending.values() if version not in (0, self.version)}
         ray.get([write_weights.remote(box, str(tmp / f"rollout_policy_v{v}.safetensors")) for v, box in older.items()])
         (tmp / "controller.json").write_text(json.dumps({"step": step, "evals": len(self.evals), "version": self.version,
                                                          "pending": {str(j): v for j, v in launched.items()}}))
@@ -301,11 +298,8 @@ class Controller:
         return final
 
     def restore(self) -> int:
-        ckpt = latest_checkpoint(self.run_dir)
-        if ckpt is None:
-            raise FileNotFoundError(f"no checkpoint to resume from in {self.run_dir / CHECKPOINTS}")
+        ckpt, state = latest_state(self.run_dir)
         self.learner.load(str(ckpt))
-        state = json.loads((ckpt / "controller.json").read_text())
         evals_path = self.run_dir / "evals.json"
         self.evals = json.loads(evals_path.read_text())[: state["evals"]] if evals_path.exists() else []
         self.version = int(state.get("version", state["step"]))
@@ -355,7 +349,7 @@ class Controller:
                     while next_launch < cfg.run.steps and next_launch <= step + cfg.learner.max_staleness:
                         self.launch(next_launch)
                         next_launch += 1
-                    _, call, issued = self.pending.pop(step)
+                    _, _, call, issued = self.pending.pop(step)
                     outs = self.collect(issued, call)
                     batch_refs = [refs[0] for refs, _ in outs]
                     summaries = [summary for _, summary in outs]
@@ -381,7 +375,7 @@ class Controller:
                     if steps_done % cfg.run.checkpoint_every == 0 or last:
                         self.checkpoint(steps_done)
         except (RayActorError, GetTimeoutError) as err:  # the learner died or hung (workers: see on_workers)
-            raise RunFailed(f"the learner died during step {steps_done + 1} ({_first_line(err)}); nothing after "
+            raise RunFailed(f"the learner died during step {steps_done + 1} ({first_line(err)}); nothing after "
                             f"step {steps_done} was kept" + self._resume_hint()) from None
         except KeyboardInterrupt:
             interrupted = True
@@ -401,11 +395,6 @@ class Controller:
         if cfg.run.progress:
             self.console.print(summary_table(result, self.testbed.labels, self.testbed.headline))
         return result
-
-
-def _first_line(err: BaseException) -> str:
-    text = str(err).strip()
-    return f"{type(err).__name__}: {text.splitlines()[0] if text else ''}"
 
 
 def get_all(refs: list[ray.ObjectRef], timeout_s: float) -> list[Any]:
@@ -461,12 +450,12 @@ def summary_table(result: RunResult, labels: tuple[str, str] = ("proxy", "gold")
     return table
 
 
-def checkpoint_step(run_dir: Path) -> int:
-    """The step the run folder's latest checkpoint holds."""
+def latest_state(run_dir: Path) -> tuple[Path, dict[str, Any]]:
+    """The latest checkpoint's folder and its controller state (step, evaluations, pending rollouts)."""
     ckpt = latest_checkpoint(run_dir)
     if ckpt is None:
         raise FileNotFoundError(f"no checkpoint to resume from in {Path(run_dir) / CHECKPOINTS}")
-    return int(json.loads((ckpt / "controller.json").read_text())["step"])
+    return ckpt, json.loads((ckpt / "controller.json").read_text())
 
 
 def train(config: str | Path | None = None, overrides: list[str] | tuple[str, ...] = (),
@@ -478,7 +467,7 @@ def train(config: str | Path | None = None, overrides: list[str] | tuple[str, ..
         run_dir = Path(resume_dir)
         saved = load_config(run_dir / "config.yaml")
         cfg = load_config(run_dir / "config.yaml", overrides)
-        step = checkpoint_step(run_dir)
+        step = int(latest_state(run_dir)[1]["step"])
         changes = check_resume(saved, cfg, step, allow_changes)
         record_resume(run_dir, step, changes)
         if changes:

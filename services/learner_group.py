@@ -82,10 +82,8 @@ class LearnerGroup:
 
     def __init__(self, cfg: TrainConfig, base_weights: Any, run_dir: str | Path):
         n = cfg.learner.ranks
-        bundle = {"CPU": cfg.ray.actor_cpus, **({"GPU": cfg.ray.learner_gpus} if cfg.ray.learner_gpus else {})}
-        self.placement: PlacementGroup = placement_group([dict(bundle) for _ in range(n)],
-                                                         strategy=cfg.ray.learner_placement, name="steadyrl-learner")
-        wait_for_placement(self.placement, cfg.ray.placement_timeout_s, f"{n} learner rank(s) of {bundle}")
+        self.placement = reserve_bundles(n, cfg.ray.actor_cpus, cfg.ray.learner_gpus, cfg.ray.learner_placement,
+                                         "steadyrl-learner", cfg.ray.placement_timeout_s)
         cfg_dict = cfg.model_dump(mode="json")
         self.actors = [
             LearnerActor.options(
@@ -94,7 +92,8 @@ class LearnerGroup:
             ).remote(cfg_dict, str(run_dir), r, n)
             for r in range(n)
         ]
-        self.zero3 = cfg.learner.zero_stage == 3
+        # who takes part in gathering the weights: under ZeRO-3 every rank holds a shard, else rank 0 has them all
+        self.gathering = self.actors if cfg.learner.zero_stage == 3 else self.actors[:1]
         self._base_weights = base_weights
         self._init: list[ray.ObjectRef] | None = None
 
@@ -113,12 +112,11 @@ class LearnerGroup:
 
     def weights(self) -> ray.ObjectRef:
         """Rank 0's trained tensors (under ZeRO-3 every rank takes part in the gather)."""
-        refs = [a.weights.remote() for a in (self.actors if self.zero3 else self.actors[:1])]
-        return refs[0]
+        return [a.weights.remote() for a in self.gathering][0]
 
     def broadcast_weights(self) -> list[ray.ObjectRef]:
         """Rank 0's broadcast to the weight group (under ZeRO-3 every rank takes part in the gather)."""
-        return [a.broadcast_weights.remote() for a in (self.actors if self.zero3 else self.actors[:1])]
+        return [a.broadcast_weights.remote() for a in self.gathering]
 
     def save(self, directory: str) -> None:
         ray.get([a.save.remote(directory) for a in self.actors])
@@ -130,6 +128,15 @@ class LearnerGroup:
         for a in self.actors:
             ray.kill(a)
         remove_placement_group(self.placement)
+
+
+def reserve_bundles(n: int, cpus: float, gpus: float, strategy: str, name: str, timeout_s: float) -> PlacementGroup:
+    """A placement group of n bundles of `cpus` CPUs (and `gpus` GPUs when > 0), one actor each; waits until it
+    is reserved (`wait_for_placement`)."""
+    bundle = {"CPU": cpus, **({"GPU": gpus} if gpus else {})}
+    pg = placement_group([dict(bundle) for _ in range(n)], strategy=strategy, name=name)
+    wait_for_placement(pg, timeout_s, f"{n} bundle(s) of {bundle} for {name}")
+    return pg
 
 
 def wait_for_placement(pg: PlacementGroup, timeout_s: float, what: str) -> None:

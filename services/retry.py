@@ -39,6 +39,12 @@ def is_process_failure(err: BaseException) -> bool:
     return False
 
 
+def first_line(err: BaseException) -> str:
+    """`Type: first line of the message`, for a one-line log or error text."""
+    text = str(err).strip()
+    return f"{type(err).__name__}: {text.splitlines()[0] if text else ''}"
+
+
 def backoff_s(first_s: float, attempt: int) -> float:
     """first_s * 2^attempt, capped at 8 x first_s."""
     return first_s * min(2**attempt, 8)
@@ -55,8 +61,7 @@ def with_retries(call: Callable[[], T], retries: int, first_backoff_s: float, wh
             if attempt == retries or not is_process_failure(err):
                 raise
             wait = backoff_s(first_backoff_s, attempt)
-            log.warning("%s failed (%s: %s); retry %d/%d in %.1f s", what, type(err).__name__,
-                        str(err).splitlines()[0] if str(err) else "", attempt + 1, retries, wait)
+            log.warning("%s failed (%s); retry %d/%d in %.1f s", what, first_line(err), attempt + 1, retries, wait)
             if on_retry is not None:
                 on_retry(attempt, err)
             time.sleep(wait)

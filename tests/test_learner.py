@@ -15,15 +15,19 @@ from steadyrl.trainer.objectives.grpo import GRPOSettings
 TINY = UNetConfig(block_out_channels=(8, 16), norm_num_groups=4)
 
 
-@pytest.fixture(scope="module")
-def learner():
+def tiny_learner(cfg: LearnerConfig):
+    """A DeepSpeed learner (gloo, this process) on the tiny class-conditional UNet, 5 DDIM steps, GRPO."""
     set_rank_env(free_port())
     from steadyrl.trainer.learner import DeepSpeedLearner
 
     torch.manual_seed(0)
     sampler = DDIMLogProbSampler(DDIMSamplerConfig(num_steps=5), build_scheduler(SchedulerConfig()))
-    return DeepSpeedLearner(build_class_policy(TINY), sampler, GRPOSettings(eps_clip=0.2),
-                            LearnerConfig(lr=1e-3, micro_batch_size=8, inner_epochs=1), seed=0)
+    return DeepSpeedLearner(build_class_policy(TINY), sampler, GRPOSettings(eps_clip=0.2), cfg, seed=0)
+
+
+@pytest.fixture(scope="module")
+def learner():
+    return tiny_learner(LearnerConfig(lr=1e-3, micro_batch_size=8, inner_epochs=1))
 
 
 def scored_batch(learner, reward_fn, seed=0):

@@ -8,30 +8,20 @@ import math
 import pytest
 import torch
 
+from test_learner import TINY, tiny_learner
 from steadyrl.rollout.batch import POLICY_VERSION
-from steadyrl.rollout.config import DDIMSamplerConfig, SchedulerConfig, UNetConfig
-from steadyrl.rollout.ddim import DDIMLogProbSampler
-from steadyrl.rollout.models import build_class_policy, build_scheduler
-from steadyrl.services.runtime import free_port, set_rank_env
+from steadyrl.rollout.models import build_class_policy
 from steadyrl.trainer.config import LearnerConfig
-from steadyrl.trainer.objectives.grpo import GRPOSettings
 from steadyrl.trainer.off_policy import behaviour_weight
 
-TINY = UNetConfig(block_out_channels=(8, 16), norm_num_groups=4)
 CAP = 2.0
 
 
 @pytest.fixture(scope="module")
 def learner():
-    set_rank_env(free_port())
-    from steadyrl.trainer.learner import DeepSpeedLearner
-
-    torch.manual_seed(0)
-    sampler = DDIMLogProbSampler(DDIMSamplerConfig(num_steps=5), build_scheduler(SchedulerConfig()))
     # one micro-batch, one optimiser step per update: the update's gradient is one back-propagation
-    return DeepSpeedLearner(build_class_policy(TINY), sampler, GRPOSettings(eps_clip=0.2),
-                            LearnerConfig(lr=1e-3, micro_batch_size=32, inner_epochs=1, max_staleness=1,
-                                          behaviour_weight_cap=CAP), seed=0)
+    return tiny_learner(LearnerConfig(lr=1e-3, micro_batch_size=32, inner_epochs=1, max_staleness=1,
+                                      behaviour_weight_cap=CAP))
 
 
 def _batch(learner, version: int | None, behaviour_shift: float = 0.0, seed: int = 0):
