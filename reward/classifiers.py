@@ -17,7 +17,7 @@ from pydantic import Field
 from safetensors.torch import load_file, save_file
 from torch import Tensor
 
-from steadyrl.rollout.cache import build_dir_atomically, cache_root, config_key
+from steadyrl.rollout.cache import build_dir_atomically, build_key, cache_root, reproducible_build
 from steadyrl.rollout.config import StrictModel
 from steadyrl.rollout.digits import NUM_CLASSES, digit_splits, load_digits_tensors
 
@@ -82,31 +82,30 @@ def _shift(x: Tensor, gen: torch.Generator) -> Tensor:
 
 def train_classifier(spec: ClassifierSpec) -> tuple[DigitClassifier, float]:
     """Train on the spec's split; returns the model and its accuracy on the held-out test split."""
-    torch.manual_seed(spec.seed)
-    gen = torch.Generator().manual_seed(spec.seed)
-    images, labels = load_digits_tensors()
-    splits = digit_splits()
-    pool = splits.proxy if spec.split == "proxy" else splits.gold
-    rng = np.random.default_rng(spec.seed)
-    idx = rng.choice(pool, size=max(1, int(round(spec.subset_fraction * len(pool)))), replace=False)
-    x, y = images[idx], labels[idx]
-    model = DigitClassifier(spec.arch)
-    opt = torch.optim.AdamW(model.parameters(), lr=spec.lr, weight_decay=1e-4)
-    for _ in range(spec.epochs):
-        model.train()
-        perm = torch.randperm(len(x), generator=gen)
-        for start in range(0, len(x), 64):
-            b = perm[start : start + 64]
-            xb = _shift(x[b], gen) if spec.augment else x[b]
-            loss = F.cross_entropy(model(xb), y[b])
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            opt.step()
-    model.eval()
-    test = torch.as_tensor(splits.test)
-    with torch.no_grad():
-        acc = (model(images[test]).argmax(-1) == labels[test]).float().mean().item()
-    return model, acc
+    with reproducible_build(spec.seed) as gen:
+        images, labels = load_digits_tensors()
+        splits = digit_splits()
+        pool = splits.proxy if spec.split == "proxy" else splits.gold
+        rng = np.random.default_rng(spec.seed)
+        idx = rng.choice(pool, size=max(1, int(round(spec.subset_fraction * len(pool)))), replace=False)
+        x, y = images[idx], labels[idx]
+        model = DigitClassifier(spec.arch)
+        opt = torch.optim.AdamW(model.parameters(), lr=spec.lr, weight_decay=1e-4)
+        for _ in range(spec.epochs):
+            model.train()
+            perm = torch.randperm(len(x), generator=gen)
+            for start in range(0, len(x), 64):
+                b = perm[start : start + 64]
+                xb = _shift(x[b], gen) if spec.augment else x[b]
+                loss = F.cross_entropy(model(xb), y[b])
+                opt.zero_grad(set_to_none=True)
+                loss.backward()
+                opt.step()
+        model.eval()
+        test = torch.as_tensor(splits.test)
+        with torch.no_grad():
+            acc = (model(images[test]).argmax(-1) == labels[test]).float().mean().item()
+        return model, acc
 
 
 class DigitClassifierReward:
@@ -148,7 +147,7 @@ class DigitClassifierReward:
 
 def ensure_classifier(spec: ClassifierSpec) -> Path:
     """Cached folder with `model.safetensors` and `meta.json` (accuracy); trains it if missing."""
-    key = config_key(spec.model_dump(exclude={"output", "kind"}))  # neither changes what is trained
+    key = build_key(spec.model_dump(exclude={"output", "kind"}))  # neither changes what is trained
     target = cache_root() / "classifiers" / f"{spec.name}-{key}"
 
     def build(tmp: Path) -> None:

@@ -6,8 +6,13 @@ import json
 import os
 import shutil
 import tempfile
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
+
+import torch
+
+from steadyrl.rollout.numerics import using_threads
 
 
 def cache_root() -> Path:
@@ -21,6 +26,29 @@ def config_key(config: Any) -> str:
     """A short stable hash of a JSON-able config."""
     blob = json.dumps(config, sort_keys=True, default=str).encode()
     return hashlib.sha256(blob).hexdigest()[:12]
+
+
+BUILD_RECIPE = 2  # 2: single-threaded, bitwise reproducible pre-training (1 depended on the thread count)
+
+
+def build_key(spec: dict[str, Any]) -> str:
+    """config_key of a pre-trained artefact: its spec and the recipe that builds it, so an artefact built the
+    old way is rebuilt rather than reused."""
+    return config_key({**spec, "build_recipe": BUILD_RECIPE})
+
+
+@contextmanager
+def reproducible_build(seed: int) -> Iterator[torch.Generator]:
+    """Seeded, single-threaded torch for building a cached artefact (pre-training); yields a generator.
+
+    On one thread (`rollout.numerics.using_threads`) the artefact comes out bitwise the same whatever process
+    builds it (a CLI, a test, an actor, on any number of cores); on more, float32 sums change order with the
+    thread count and the drift compounds over training. The global RNG, seeded here for weight
+    initialisation, is restored afterwards.
+    """
+    with torch.random.fork_rng(devices=[]), using_threads(1):
+        torch.manual_seed(seed)
+        yield torch.Generator().manual_seed(seed)
 
 
 def torch_extensions_dir() -> Path:

@@ -15,7 +15,7 @@ from torch import Tensor
 from pydantic import Field
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-from steadyrl.rollout.cache import build_dir_atomically, cache_root, config_key
+from steadyrl.rollout.cache import build_dir_atomically, build_key, cache_root, reproducible_build
 from steadyrl.rollout.config import SchedulerConfig, StrictModel, UNetConfig
 from steadyrl.rollout.digits import digit_splits, load_digits_tensors
 from steadyrl.rollout.models import build_scheduler, build_unet, save_weights
@@ -67,48 +67,47 @@ def pretrain_unet(
     """
     if prediction not in ("epsilon", "velocity"):
         raise ValueError(f"prediction={prediction!r} must be 'epsilon' or 'velocity'")
-    torch.manual_seed(cfg.seed)
-    gen = torch.Generator().manual_seed(cfg.seed)
-    images, labels = load_digits_tensors()
-    splits = digit_splits()
-    keep = torch.as_tensor(list(splits.gold) + list(splits.proxy))
-    images, labels = images[keep], labels[keep]
-    model = build_unet(unet_cfg)
-    sched = build_scheduler(sched_cfg)
-    alphas = sched.alphas_cumprod.float()
-    n_train = sched_cfg.num_train_timesteps
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
-    losses = []
-    kind = "diffusion" if prediction == "epsilon" else "rectified-flow"
-    with Progress(
-        TextColumn(f"[bold]pretraining {kind} model"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
-        TextColumn("loss {task.fields[loss]:.4f}"), TimeElapsedColumn(), disable=not progress,
-    ) as bar:
-        task = bar.add_task("pretrain", total=cfg.iterations, loss=float("nan"))
-        for _ in range(cfg.iterations):
-            idx = torch.randint(len(images), (cfg.batch_size,), generator=gen)
-            x0, y = images[idx], labels[idx]
-            xt, t, target = (epsilon_pair(x0, alphas, gen) if prediction == "epsilon"
-                             else velocity_pair(x0, n_train, gen))
-            loss = F.mse_loss(model(xt, t, class_labels=y).sample, target)
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            opt.step()
-            losses.append(loss.item())
-            bar.update(task, advance=1, loss=sum(losses[-10:]) / len(losses[-10:]))
-    return model.eval(), losses
+    with reproducible_build(cfg.seed) as gen:
+        images, labels = load_digits_tensors()
+        splits = digit_splits()
+        keep = torch.as_tensor(list(splits.gold) + list(splits.proxy))
+        images, labels = images[keep], labels[keep]
+        model = build_unet(unet_cfg)
+        sched = build_scheduler(sched_cfg)
+        alphas = sched.alphas_cumprod.float()
+        n_train = sched_cfg.num_train_timesteps
+        opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
+        losses = []
+        kind = "diffusion" if prediction == "epsilon" else "rectified-flow"
+        with Progress(
+            TextColumn(f"[bold]pretraining {kind} model"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+            TextColumn("loss {task.fields[loss]:.4f}"), TimeElapsedColumn(), disable=not progress,
+        ) as bar:
+            task = bar.add_task("pretrain", total=cfg.iterations, loss=float("nan"))
+            for _ in range(cfg.iterations):
+                idx = torch.randint(len(images), (cfg.batch_size,), generator=gen)
+                x0, y = images[idx], labels[idx]
+                xt, t, target = (epsilon_pair(x0, alphas, gen) if prediction == "epsilon"
+                                 else velocity_pair(x0, n_train, gen))
+                loss = F.mse_loss(model(xt, t, class_labels=y).sample, target)
+                opt.zero_grad(set_to_none=True)
+                loss.backward()
+                opt.step()
+                losses.append(loss.item())
+                bar.update(task, advance=1, loss=sum(losses[-10:]) / len(losses[-10:]))
+        return model.eval(), losses
 
 
 def pretrained_unet_dir(
     unet_cfg: UNetConfig, sched_cfg: SchedulerConfig, cfg: PretrainConfig, prediction: Prediction = "epsilon"
 ) -> Path:
-    """Cache folder of a pre-trained model; epsilon keys are unchanged from before velocity models
-    existed, velocity keys include the prediction and live in `digits-flow-unet-<key>`."""
+    """Cache folder of a pre-trained model: `digits-unet-<key>` (epsilon) or `digits-flow-unet-<key>` (velocity,
+    the prediction in the key), keyed by the configs and the build recipe (`rollout.cache.build_key`)."""
     spec = {"unet": unet_cfg.model_dump(), "sched": sched_cfg.model_dump(), "pretrain": cfg.model_dump()}
     if prediction == "epsilon":
-        return cache_root() / "models" / f"digits-unet-{config_key(spec)}"
+        return cache_root() / "models" / f"digits-unet-{build_key(spec)}"
     if prediction == "velocity":
-        return cache_root() / "models" / f"digits-flow-unet-{config_key({**spec, 'prediction': prediction})}"
+        return cache_root() / "models" / f"digits-flow-unet-{build_key({**spec, 'prediction': prediction})}"
     raise ValueError(f"prediction={prediction!r} must be 'epsilon' or 'velocity'")
 
 
