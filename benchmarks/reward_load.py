@@ -63,7 +63,7 @@ def measure(batching: bool, port: int, bodies: list[dict], args: argparse.Namesp
 
     from steadyrl.reward.config import RewardConfig
     from steadyrl.services.config import ServeConfig
-    from steadyrl.services.reward_app import deploy_reward_app
+    from steadyrl.services.serving import deploy_reward_app
 
     name = f"reward_load_{'batched' if batching else 'unbatched'}"
     cfg = ServeConfig(batching=batching, max_ongoing_requests=max(args.concurrency))

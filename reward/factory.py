@@ -1,7 +1,7 @@
 """One reward-model factory: a spec in, a `RewardModel` out.
 
 The in-process ensemble (`reward.config.build_reward_models`, the testbeds' `reward_ensemble`) and every
-Serve reward deployment (`services.reward_app`) build their models here, from the same specs, so a
+Serve reward deployment (`services.serving`) build their models here, from the same specs, so a
 model scores the same whether it runs in a benchmark or behind REST. A spec's `kind` picks the model:
 
     classifier   a digits classifier trained and cached by config (reward/classifiers.py)

@@ -410,7 +410,7 @@ def test_schema_rejects_broken_raycluster_naming_the_path(mutate, path, expected
 
 # ---------------------------------------------------------------------------------------------- RayService
 
-REWARD_BUILDER = "steadyrl.services.reward_app:app_builder"
+REWARD_BUILDER = "steadyrl.services.serving.app:app_builder"
 
 
 def _reward_service() -> dict:
@@ -425,7 +425,7 @@ def _serve_config(doc: dict | None = None) -> dict:
 
 def _reward_app(config: dict) -> dict:
     apps = [a for a in config["applications"] if a["import_path"].split(":")[0] == REWARD_BUILDER.split(":")[0]]
-    assert len(apps) == 1, f"serveConfigV2 should deploy services/reward_app.py once: {config['applications']}"
+    assert len(apps) == 1, f"serveConfigV2 should deploy services/serving/ once: {config['applications']}"
     return apps[0]
 
 
@@ -508,7 +508,7 @@ def test_serve_config_check_rejects_broken_configs_naming_the_path(mutate, path,
 def test_reward_service_routes_match_the_code():
     """The app is the one the code and the trainer address: name APP_NAME under ROUTE_PREFIX, served on the port
     the head container exposes as `serve` (KubeRay's <name>-serve-svc targets it)."""
-    from steadyrl.services.reward_app import APP_NAME, ROUTE_PREFIX
+    from steadyrl.services.serving import APP_NAME, ROUTE_PREFIX
 
     doc = _reward_service()
     config = _serve_config(doc)

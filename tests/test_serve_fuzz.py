@@ -32,7 +32,7 @@ def arith_url(serve_port):
 
     from steadyrl.reward.verifiers import VerifierSpec
     from steadyrl.services.config import ServeConfig
-    from steadyrl.services.reward_app import deploy_reward_app
+    from steadyrl.services.serving import deploy_reward_app
 
     os.environ[TOKEN_ENV] = TOKEN
     deploy_reward_app(VerifierSpec(), ServeConfig(max_request_samples=8, auth_token_env=TOKEN_ENV), name=ARITH_APP,

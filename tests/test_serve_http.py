@@ -201,7 +201,7 @@ def test_in_cluster_handle_batches_concurrent_calls(reward_url, digits):
     """Concurrent handle calls are answered correctly (the member deployments batch them)."""
     from ray import serve
 
-    from steadyrl.services.reward_app import APP_NAME
+    from steadyrl.services.serving import APP_NAME
 
     images, labels = digits
     handle = serve.get_app_handle(APP_NAME)
@@ -222,7 +222,7 @@ def guarded_url(serve_port):
 
     from steadyrl.reward.verifiers import VerifierSpec
     from steadyrl.services.config import ServeConfig
-    from steadyrl.services.reward_app import deploy_reward_app
+    from steadyrl.services.serving import deploy_reward_app
 
     os.environ[TOKEN_ENV] = TOKEN
     cfg = ServeConfig(max_request_samples=MAX_SAMPLES, max_body_bytes=MAX_BODY, auth_token_env=TOKEN_ENV)
@@ -331,7 +331,7 @@ def test_only_the_tokens_digest_reaches_the_replicas(monkeypatch):
 
     from steadyrl.reward.verifiers import VerifierSpec
     from steadyrl.services.config import ServeConfig
-    from steadyrl.services.reward_app import build_reward_app
+    from steadyrl.services.serving import build_reward_app
 
     monkeypatch.setenv(TOKEN_ENV, TOKEN)
     from ray import cloudpickle
@@ -362,16 +362,17 @@ def test_the_rayservice_builder_builds_the_app_a_config_describes():
     from ray import serve
 
     from steadyrl.services.config import CONFIG_DIR
-    from steadyrl.services.reward_app import app_builder
+    from steadyrl.services.serving import app_builder
 
     app = app_builder({"config": str(CONFIG_DIR / "arith-grpo.yaml"), "overrides": ["serve.max_request_samples=7"]})
     assert isinstance(app, serve.Application)
-    *_, rest, digest = app._bound_deployment.init_args
+    settings = app._bound_deployment.init_kwargs["settings"]
+    rest, digest = settings.rest, settings.digest
     assert rest.max_samples == 7 and rest.token_sha256 is None
     # the digest a run compares before reusing a running app: it moves with what the app is built from
     from steadyrl.reward.verifiers import VerifierSpec
     from steadyrl.services.config import ServeConfig
-    from steadyrl.services.reward_app import app_digest
+    from steadyrl.services.serving import app_digest
 
     spec = VerifierSpec(task="addition")
     assert len(digest) == 64

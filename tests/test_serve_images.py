@@ -51,7 +51,7 @@ def ensemble(cfg):
 def images_url(serve_port, cfg):
     from ray import serve
 
-    from steadyrl.services.reward_app import deploy_reward_app
+    from steadyrl.services.serving import deploy_reward_app
 
     deploy_reward_app(cfg, name=APP, route_prefix=PREFIX)
     yield f"http://127.0.0.1:{serve_port}{PREFIX}"
@@ -141,7 +141,7 @@ def test_config_errors_name_the_field(data, field):
 def test_deployment_health_check_and_info_for_each_kind(cfg):
     """check_health scores a grey image (with a prompt for the CLIP kinds); Serve also runs it before a
     replica counts as started. (`score`'s batching needs a replica: the handle test below covers it.)"""
-    from steadyrl.services.reward_app import RewardModelDeployment
+    from steadyrl.services.serving import RewardModelDeployment
 
     for spec in cfg.models:
         dep = RewardModelDeployment.func_or_class(spec.model_dump())
@@ -150,7 +150,7 @@ def test_deployment_health_check_and_info_for_each_kind(cfg):
 
 
 def test_png_round_trip_is_exact_in_model_space():
-    from steadyrl.services.reward_app import TextToImageRequest, decode_png, encode_png
+    from steadyrl.services.serving import TextToImageRequest, decode_png, encode_png
 
     px = pixels(2, 24, 40, seed=5)
     assert torch.equal(torch.from_numpy(decode_png(encode_png(model_space(px)[0]))).permute(2, 0, 1), px[0])
@@ -238,7 +238,7 @@ def test_deprecated_parallel_arrays_still_score_and_share_the_lengths_check(imag
 
 
 def test_oversized_image_is_refused(images_url):
-    from steadyrl.services.reward_app import MAX_IMAGE_SIDE
+    from steadyrl.services.serving import MAX_IMAGE_SIDE
 
     buf = io.BytesIO()
     Image.new("RGB", (MAX_IMAGE_SIDE + 1, 1)).save(buf, format="PNG")  # tiny file, absurd side

@@ -1,0 +1,109 @@
+"""The reward ensemble as a Ray Serve application: bind the deployments of a testbed's reward spec
+(`build_reward_app`), deploy or reuse it (`deploy_reward_app`), and the builder a Serve config names
+(`import_path: steadyrl.services.serving.app:app_builder`)."""
+
+import hashlib
+import json
+from typing import Any
+
+from ray import serve
+
+from steadyrl.reward.config import ImageRewardConfig, RewardConfig
+from steadyrl.reward.verifiers import VerifierSpec
+from steadyrl.services.config import ServeConfig
+from steadyrl.services.serving.deployments import (IngressSettings, RestSettings, RewardEnsembleIngress,
+                                                   RewardModelDeployment)
+
+APP_NAME = "reward"
+ROUTE_PREFIX = "/reward"
+# ServeConfig fields that shape the app (host/port are the proxy's; timeouts and retries are the callers')
+APP_SETTINGS = ("replica_cpus", "replica_gpus", "batching", "max_batch_size", "batch_wait_timeout_s",
+                "max_ongoing_requests", "max_request_samples", "max_body_bytes")
+
+RewardSpec = RewardConfig | VerifierSpec | ImageRewardConfig
+
+
+def build_reward_app(cfg: RewardSpec, serve_cfg: ServeConfig | None = None) -> serve.Application:
+    """Bind one deployment per reward model and the ensemble ingress (a testbed's `reward_spec()`: the digits
+    classifier ensemble, the arith verifier with its exact-match monitor, or the text-to-image models).
+    Deployments are named `reward_<name>` (trained on) and `monitor_<name>` (watch only). The bearer token (if
+    `serve_cfg` asks for one) is read here, where the app is built; only its SHA-256 goes to the replicas."""
+    serve_cfg = serve_cfg or ServeConfig()
+    rest = RestSettings.from_config(serve_cfg)
+    opts: dict[str, Any] = {"ray_actor_options": {"num_cpus": serve_cfg.replica_cpus},
+                            "max_ongoing_requests": serve_cfg.max_ongoing_requests}
+    batching = {"max_batch_size": serve_cfg.max_batch_size, "batch_wait_timeout_s": serve_cfg.batch_wait_timeout_s,
+                "batching": serve_cfg.batching}
+    digest = app_digest(cfg, serve_cfg)
+
+    def model(name: str, spec: Any) -> serve.Application:
+        model_opts = opts
+        if getattr(spec, "device", "cpu").startswith("cuda"):  # a model on cuda reserves its share of a GPU
+            model_opts = {**opts, "ray_actor_options": {**opts["ray_actor_options"],
+                                                        "num_gpus": serve_cfg.replica_gpus}}
+        return RewardModelDeployment.options(name=name, **model_opts).bind(spec.model_dump(), **batching)
+
+    if isinstance(cfg, VerifierSpec):
+        exact = cfg.model_copy(update={"partial_credit": False, "name": "exact"})
+        members = {cfg.name: model(f"reward_{cfg.name}", cfg)}
+        monitors = {"exact": model("monitor_exact", exact)}
+        settings = IngressSettings(train_on=cfg.name, feature_model=cfg.name, testbed="arith", correct=("exact",),
+                                   rest=rest, digest=digest)
+    elif isinstance(cfg, ImageRewardConfig):
+        members = {s.name: model(f"reward_{s.name}", s) for s in cfg.trained_specs()}
+        monitors = {s.name: model(f"monitor_{s.name}", s) for s in cfg.monitor_specs()}
+        settings = IngressSettings(train_on=cfg.train_on, feature_model=cfg.feature_model_name(),
+                                   testbed="text_to_image", rest=rest, digest=digest)
+    else:
+        members = {s.name: model(f"reward_{s.name}", s) for s in cfg.member_specs()}
+        monitors = {cfg.gold.name: model(f"monitor_{cfg.gold.name}", cfg.gold)}
+        settings = IngressSettings(train_on=cfg.train_on, feature_model=cfg.feature_model, testbed="digits",
+                                   correct=(cfg.gold.name,), rest=rest, digest=digest)
+    ingress = RewardEnsembleIngress.options(name="ensemble", **opts)
+    return ingress.bind(members=members, monitors=monitors, settings=settings)
+
+
+def app_digest(cfg: RewardSpec, serve_cfg: ServeConfig) -> str:
+    """SHA-256 of what an app is built from: the reward models' specs, the settings that shape the deployments
+    and the REST API, and the bearer token's own digest."""
+    rest = RestSettings.from_config(serve_cfg)
+    from importlib.metadata import version
+
+    payload = {"steadyrl": version("steadyrl"), "kind": type(cfg).__name__, "spec": cfg.model_dump(mode="json"),
+               "serve": {k: getattr(serve_cfg, k) for k in APP_SETTINGS}, "token": rest.token_sha256}
+    return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
+
+
+def running_app_digest(name: str = APP_NAME) -> str | None:
+    """The digest of the app `name` if it is deployed and RUNNING (None otherwise)."""
+    app = serve.status().applications.get(name)
+    if app is None or app.status != "RUNNING":
+        return None
+    try:
+        return serve.get_app_handle(name).app_digest.remote().result(timeout_s=30)
+    except Exception:  # noqa: BLE001 - an app of another build (no app_digest) or not answering: not ours
+        return None
+
+
+def deploy_reward_app(cfg: RewardSpec, serve_cfg: ServeConfig | None = None, name: str = APP_NAME,
+                      route_prefix: str = ROUTE_PREFIX, reuse: bool = False) -> bool:
+    """Deploy (or update) the ensemble as the Serve application `name` (default `reward`) under `route_prefix`
+    (default /reward). With `reuse`, an app of that name already running the same ensemble (same `app_digest`:
+    a RayService's, or an earlier run's on this cluster) is left as it is. Returns whether it deployed."""
+    serve_cfg = serve_cfg or ServeConfig()
+    if reuse and route_prefix == ROUTE_PREFIX and running_app_digest(name) == app_digest(cfg, serve_cfg):
+        return False
+    serve.run(build_reward_app(cfg, serve_cfg), name=name, route_prefix=route_prefix)
+    return True
+
+
+def app_builder(args: dict[str, Any]) -> serve.Application:
+    """Serve config entry point (`import_path: steadyrl.services.serving.app:app_builder`, as in
+    deploy/rayservice-reward.yaml): args `config` (a preset) and `overrides` (key=value), as on the command line."""
+    from steadyrl.services.config import load_config
+    from steadyrl.services.testbeds import build_testbed
+
+    cfg = load_config(args.get("config"), list(args.get("overrides") or []))
+    testbed = build_testbed(cfg)
+    testbed.prepare_rewards()
+    return build_reward_app(testbed.reward_spec(), cfg.serve)

@@ -1,0 +1,230 @@
+"""The reward ensemble's Serve deployments: one `RewardModelDeployment` per reward model (`@serve.batch` groups
+concurrent calls into one forward pass unless `serve.batching` is off), composed by `RewardEnsembleIngress`,
+which returns per-model scores, mean, spread, the training reward and a rank-disagreement uncertainty per
+sample (`reward.ensemble.combine_scores`). Training calls the ingress through a DeploymentHandle
+(`score_tensors`); anything else over REST (`rest.build_rest_api`, built on each replica)."""
+
+import asyncio
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import torch
+from fastapi import FastAPI
+from ray import serve
+from ray.serve.handle import DeploymentHandle
+
+from steadyrl.reward.base import check_scores
+from steadyrl.reward.config import FEATURE_KINDS
+from steadyrl.reward.ensemble import EnsembleScores, combine_scores
+from steadyrl.reward.factory import build_reward_model, parse_reward_spec
+from steadyrl.reward.verifiers import VerifierReward
+from steadyrl.rollout.digits import IMAGE_SHAPE
+from steadyrl.services.config import ServeConfig
+from steadyrl.services.serving.guard import token_digest
+from steadyrl.services.serving.rest import build_rest_api
+from steadyrl.services.serving.schemas import (SCORE_ROUTE, TESTBEDS, Batch, HealthResponse, ModelInfo, ModelsResponse,
+                                               ScoreResponse)
+
+HEALTH_PROMPT = "health check"
+
+
+def _is_prompts(cond: Any) -> bool:
+    return isinstance(cond, (list, tuple)) and all(isinstance(c, str) for c in cond)
+
+
+@serve.deployment(ray_actor_options={"num_cpus": 0.1}, health_check_period_s=10)
+class RewardModelDeployment:
+    """Hosts one reward model; batches concurrent `score` calls into one forward pass (unless `batching` is
+    off: then each call is scored on its own)."""
+
+    def __init__(self, spec: dict[str, Any], max_batch_size: int = 256, batch_wait_timeout_s: float = 0.005,
+                 batching: bool = True):
+        torch.set_num_threads(1)
+        parsed = parse_reward_spec(spec)
+        self.kind = parsed.kind
+        self.model = build_reward_model(parsed)  # the same factory as the in-process ensemble
+        self.name = self.model.name
+        self.batching = batching
+        self._score_batch.set_max_batch_size(max_batch_size)
+        self._score_batch.set_batch_wait_timeout_s(batch_wait_timeout_s)
+
+    async def score(self, samples: torch.Tensor, cond: torch.Tensor | Sequence[str]) -> torch.Tensor:
+        """Scores [B] of one call: `cond` is class ids / prompt token ids [B,...] or a list of B prompt strings.
+        Checked per call (an error fails only this call), then batched with concurrent calls."""
+        n = len(cond)
+        if n != samples.shape[0]:
+            raise ValueError(f"reward model {self.name!r}: cond has {n} entries for {samples.shape[0]} samples")
+        cond = list(cond) if _is_prompts(cond) else cond
+        if not self.batching:
+            return check_scores(self.name, self.model.score(samples, cond), n)
+        return await self._score_batch(samples, cond)
+
+    @serve.batch(max_batch_size=256, batch_wait_timeout_s=0.005)
+    async def _score_batch(self, samples: list[torch.Tensor], cond: list[Any]) -> list[torch.Tensor]:
+        """One forward pass over the calls when their samples share a shape and their conds join: prompt lists
+        by concatenation, tensors (same width) by torch.cat. Otherwise (other image sizes, prompts padded to
+        other widths) each call is scored on its own."""
+        sizes = [s.shape[0] for s in samples]
+        same = len({(tuple(s.shape[1:]), s.dtype) for s in samples}) == 1
+        if same and all(_is_prompts(c) for c in cond):
+            out = self.model.score(torch.cat(samples), [p for c in cond for p in c])
+        elif same and all(isinstance(c, torch.Tensor) for c in cond) and len({c.shape[1:] for c in cond}) == 1:
+            out = self.model.score(torch.cat(samples), torch.cat(cond))
+        else:
+            return [check_scores(self.name, self.model.score(s, c), n) for s, c, n in zip(samples, cond, sizes)]
+        return list(check_scores(self.name, out, sum(sizes)).split(sizes))
+
+    async def score_items(self, prompts: list[Any], completions: list[Any]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Verifiers: (scores, exact 0/1) of text or token-id items (REST, arith)."""
+        if not isinstance(self.model, VerifierReward):
+            raise ValueError(f"reward model {self.name!r} scores images, not text")
+        return self.model.score_items(prompts, completions)
+
+    async def correct(self, samples: torch.Tensor, cond: torch.Tensor) -> torch.Tensor:
+        return self.model.correct(samples, cond)
+
+    async def features(self, samples: torch.Tensor) -> torch.Tensor:
+        return self.model.features(samples)
+
+    def info(self) -> dict[str, Any]:
+        return {"name": self.name, "kind": self.kind, "test_accuracy": getattr(self.model, "accuracy", None)}
+
+    def check_health(self) -> None:
+        """Serve calls this periodically; a broken model raises and the replica is replaced."""
+        if isinstance(self.model, VerifierReward):
+            return  # a pure function of text: nothing to go stale
+        if self.kind in FEATURE_KINDS:  # image-text (CLIP) models: one grey RGB image and a prompt
+            out = self.model.score(torch.zeros(1, 3, 32, 32), [HEALTH_PROMPT])
+        else:  # digits classifiers, JPEG
+            out = self.model.score(torch.zeros(1, *IMAGE_SHAPE), torch.zeros(1, dtype=torch.long))
+        if not bool(torch.isfinite(out).all()):
+            raise RuntimeError(f"reward model {self.name} returns non-finite scores")
+
+
+@dataclass(frozen=True)
+class RestSettings:
+    """What the ingress's REST app needs from `ServeConfig` (the token only as its SHA-256)."""
+
+    max_samples: int = 256
+    max_body_bytes: int = 16 * 2**20
+    token_sha256: str | None = None
+
+    @classmethod
+    def from_config(cls, cfg: ServeConfig) -> "RestSettings":
+        token = cfg.auth_token()
+        return cls(cfg.max_request_samples, cfg.max_body_bytes, None if token is None else token_digest(token))
+
+
+@dataclass(frozen=True)
+class IngressSettings:
+    """What `RewardEnsembleIngress` is built with besides its model handles.
+
+    `train_on`: the member the training reward is, or 'mean'; `feature_model`: a member whose `features` come
+    back with `score_tensors` (None: no features); `correct`: monitors that also report `<name>_correct`
+    (digits' gold classifier, arith's exact verifier); `rest`: the REST API's limits and token digest;
+    `digest`: what the app was built from (`app.app_digest`)."""
+
+    train_on: str
+    testbed: str = "digits"
+    feature_model: str | None = None
+    correct: tuple[str, ...] = ()
+    rest: RestSettings = field(default_factory=RestSettings)
+    digest: str = ""
+
+    def __post_init__(self) -> None:
+        if self.testbed not in TESTBEDS:
+            raise ValueError(f"testbed={self.testbed!r} must be one of {list(TESTBEDS)}")
+
+
+@serve.deployment(ray_actor_options={"num_cpus": 0.1}, health_check_period_s=10)
+@serve.ingress()
+class RewardEnsembleIngress:
+    """Composes member deployments; monitors (digits' gold classifier, arith's exact-match verifier, the
+    text-to-image `monitor_only` models) are scored too but never become the reward."""
+
+    def __init__(self, members: dict[str, DeploymentHandle], monitors: dict[str, DeploymentHandle],
+                 settings: IngressSettings):
+        """`members` and `monitors`: each model's handle by its name, in column order."""
+        if settings.feature_model is not None and settings.feature_model not in members:
+            raise ValueError(f"feature_model={settings.feature_model!r} must be one of the members {list(members)}")
+        self.testbed = settings.testbed
+        self.members, self.member_names = list(members.values()), list(members)
+        self.monitors, self.monitor_names = list(monitors.values()), list(monitors)
+        self.correct = set(settings.correct)
+        self.train_on, self.feature_model = settings.train_on, settings.feature_model
+        self.rest = settings.rest
+        self.digest = settings.digest
+
+    def app_digest(self) -> str:
+        """The digest of the models and settings this app was built from: a run finding the same one reuses it."""
+        return self.digest
+
+    def __serve_build_asgi_app__(self) -> FastAPI:
+        """Serve calls this on each replica, after __init__: the REST app of this testbed and these limits."""
+        return build_rest_api(self)
+
+    async def score_tensors(self, samples: torch.Tensor, cond: torch.Tensor | Sequence[str],
+                            group: torch.Tensor | Sequence[int] | None = None,
+                            with_features: bool = True) -> EnsembleScores:
+        """In-cluster entry point (DeploymentHandle): samples [B,...] with class ids [B] (digits) or B prompt
+        strings (text-to-image images [B,3,H,W] in [-1, 1]); `EnsembleScores` out."""
+        if len(cond) != samples.shape[0]:
+            raise ValueError(f"cond has {len(cond)} entries for {samples.shape[0]} samples")
+        if not isinstance(cond, torch.Tensor):
+            if not _is_prompts(cond):
+                raise ValueError("cond must be a tensor of class ids or a list of prompt strings")
+            cond = list(cond)
+        if group is not None and not isinstance(group, torch.Tensor):
+            group = torch.as_tensor(list(group), dtype=torch.long)
+        calls = [m.score.remote(samples, cond) for m in self.members]
+        mon = [(name, m.score.remote(samples, cond), m.correct.remote(samples, cond) if name in self.correct
+                else None) for name, m in zip(self.monitor_names, self.monitors)]
+        feat = None
+        if with_features and self.feature_model is not None:
+            feat = self.members[self.member_names.index(self.feature_model)].features.remote(samples)
+        cols = await asyncio.gather(*calls)
+        out = combine_scores(self.member_names, torch.stack(cols, dim=1), group, self.train_on)
+        for name, score, correct in mon:
+            out.monitors[name] = await score
+            if correct is not None:
+                out.monitors[f"{name}_correct"] = await correct
+        out.features = None if feat is None else await feat
+        return out
+
+    async def score_items(self, prompts: list[Any], completions: list[Any],
+                          group: torch.Tensor | None = None) -> EnsembleScores:
+        """Verifier apps (arith): text or token-id prompt/completion pairs."""
+        cols = await asyncio.gather(*[m.score_items.remote(prompts, completions) for m in self.members])
+        mons = await asyncio.gather(*[m.score_items.remote(prompts, completions) for m in self.monitors])
+        out = combine_scores(self.member_names, torch.stack([col[0] for col in cols], dim=1), group, self.train_on)
+        for name, (score, correct) in zip(self.monitor_names, mons):
+            out.monitors[name] = score
+            out.monitors[f"{name}_correct"] = correct
+        return out
+
+    async def score_request(self, batch: Batch) -> ScoreResponse:
+        if self.testbed == "arith":
+            out = await self.score_items(batch.cond, batch.samples, batch.group)
+        else:
+            out = await self.score_tensors(batch.samples, batch.cond, batch.group, with_features=False)
+        return ScoreResponse(
+            names=out.names, scores=out.scores.tolist(), mean=out.mean.tolist(), std=out.std.tolist(),
+            uncertainty=out.uncertainty.tolist(), reward=out.reward.tolist(), train_on=out.train_on,
+            monitors={k: v.tolist() for k, v in out.monitors.items()},
+        )
+
+    async def model_infos(self) -> list[dict[str, Any]]:
+        return await asyncio.gather(*[m.info.remote() for m in self.members + self.monitors])
+
+    async def models(self) -> ModelsResponse:
+        infos = await self.model_infos()
+        roles = ["member"] * len(self.members) + ["monitor"] * len(self.monitors)
+        return ModelsResponse(testbed=self.testbed, train_on=self.train_on, feature_model=self.feature_model, models=[
+            ModelInfo(name=i["name"], kind=i["kind"], role=role, test_accuracy=i.get("test_accuracy"),
+                      trained_on=role == "member" and self.train_on in ("mean", i["name"]))
+            for i, role in zip(infos, roles)])
+
+    async def health(self) -> HealthResponse:
+        return HealthResponse(status="ok", testbed=self.testbed, route=SCORE_ROUTE, members=self.member_names,
+                              monitors=self.monitor_names, gold=self.monitor_names[0] if self.monitor_names else None,
+                              train_on=self.train_on, feature_model=self.feature_model, models=await self.model_infos())

@@ -1,0 +1,77 @@
+"""The ingress's FastAPI app, built on each replica for its testbed and limits, so the OpenAPI it publishes
+(/openapi.json, /docs) states exactly what that app accepts. (No `from __future__ import annotations` here:
+FastAPI must see the request models' real types.)"""
+
+from typing import TYPE_CHECKING, Any
+
+from fastapi import FastAPI, Security
+from fastapi.exceptions import RequestValidationError
+from fastapi.security import HTTPBearer
+
+from steadyrl.services.serving.guard import RestGuard, validation_error
+from steadyrl.services.serving.schemas import (HEALTH_ROUTE, LEGACY_REQUESTS, LEGACY_ROUTES, MODELS_ROUTE, SCORE_ROUTE,
+                                               V1_REQUESTS, ErrorDetail, HealthResponse, ModelsResponse, ScoreResponse,
+                                               ValidationErrorResponse, with_max_samples)
+
+if TYPE_CHECKING:
+    from steadyrl.services.serving.deployments import RewardEnsembleIngress
+
+
+def build_rest_api(ens: "RewardEnsembleIngress") -> FastAPI:
+    """The ingress's FastAPI app: /v1/score with its testbed's request model and `max_samples`, /v1/models,
+    /healthz, the deprecated pre-v1 routes, behind `RestGuard` (token, body size) and 422s that name fields."""
+    rest, testbed = ens.rest, ens.testbed
+    request_model = with_max_samples(V1_REQUESTS[testbed], rest.max_samples)
+    legacy_model = with_max_samples(LEGACY_REQUESTS[testbed], rest.max_samples)
+    auth = rest.token_sha256 is not None
+    api = FastAPI(
+        title="steadyrl reward ensemble", version="1",
+        description=f"Scores {testbed} samples with every reward model: per-model scores, mean, spread, training "
+        f"reward and rank-disagreement uncertainty per sample, and the monitors' scores. POST {SCORE_ROUTE}: at "
+        f"most {rest.max_samples} samples and {rest.max_body_bytes} bytes per request (413 before parsing when "
+        "larger). " + ("Every route but /healthz and the docs needs `Authorization: Bearer <token>`." if auth else
+                       "No token is needed (serve.auth_token_env / auth_token_file turn one on)."))
+    api.add_exception_handler(RequestValidationError, validation_error)
+    api.add_middleware(RestGuard, max_body_bytes=rest.max_body_bytes, token_sha256=rest.token_sha256)
+    errors: dict[int | str, dict[str, Any]] = {
+        413: {"model": ErrorDetail, "description": "body over serve.max_body_bytes (refused before parsing)"},
+        422: {"model": ValidationErrorResponse, "description": "a field is missing, malformed or out of range; "
+              "`loc` names it"},
+        400: {"model": ErrorDetail, "description": "the body cannot be read as JSON numbers (e.g. a number over "
+              "4300 digits)"}}
+    secured: dict[str, Any] = {}
+    if auth:
+        errors[401] = {"model": ErrorDetail, "description": "no bearer token, or the wrong one"}
+        secured = {"dependencies": [Security(HTTPBearer(auto_error=False, description="serve.auth_token_env / "
+                                                        "serve.auth_token_file; checked before the body is read"))]}
+
+    @api.post(SCORE_ROUTE, response_model=ScoreResponse, responses=errors, summary=f"Score {testbed} samples",
+              **secured)
+    async def score(request: request_model) -> ScoreResponse:  # type: ignore[valid-type]
+        return await ens.score_request(request.batch())
+
+    @api.get(MODELS_ROUTE, response_model=ModelsResponse, summary="The reward models of this app",
+             responses={401: errors[401]} if auth else None, **secured)
+    async def models() -> ModelsResponse:
+        return await ens.models()
+
+    @api.get(HEALTH_ROUTE, response_model=HealthResponse, summary="Every model answers (no token needed)")
+    async def healthz() -> HealthResponse:
+        return await ens.health()
+
+    @api.post(LEGACY_ROUTES[testbed], response_model=ScoreResponse, include_in_schema=False, deprecated=True)
+    async def score_legacy(request: legacy_model) -> ScoreResponse:  # type: ignore[valid-type]
+        return await ens.score_request(request.batch())
+
+    def wrong_route(route: str) -> Any:
+        async def refuse() -> None:
+            from fastapi import HTTPException
+
+            raise HTTPException(status_code=400, detail=f"this reward app scores the {testbed!r} testbed: POST "
+                                f"{SCORE_ROUTE} (or the deprecated {LEGACY_ROUTES[testbed]}), not {route}")
+        return refuse
+
+    for other, route in LEGACY_ROUTES.items():
+        if other != testbed:
+            api.post(route, include_in_schema=False)(wrong_route(route))
+    return api
