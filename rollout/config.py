@@ -83,7 +83,8 @@ class MaskedDiffusionSamplerConfig(SamplerBase):
         "elbo", description="sequence log-likelihood estimator (rollout/likelihood.py)")
     mc_samples: int = Field(2, ge=1, le=256, description="n Monte-Carlo mask samples per sequence")
     masks: Literal["shared", "independent"] = Field(
-        "shared", description="shared: old, new and reference policy see the rollout's masks (DESIGN §3); "
+        "shared", description="shared: old, new and reference policy see the rollout's masks (on policy the "
+        "ratio is then exactly 1); "
         "independent: every likelihood evaluation draws its own (StableDRL's noisy-ratio setting)")
     prompt_mask_prob: float = Field(0.15, ge=0, lt=1, description="one_step (d1): prompt tokens masked with this p")
     logp_reduce: Literal["mean", "sum"] = Field(

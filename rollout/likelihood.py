@@ -1,4 +1,4 @@
-"""Sequence log-likelihood estimators for masked-diffusion LMs (DESIGN §3).
+"""Sequence log-likelihood estimators for masked-diffusion LMs (docs/testbeds.md, arith).
 
 The likelihood log pi(y | x) of a completion y (L tokens) given a prompt x is intractable; each
 estimator below is one Monte-Carlo "step" j, a mask M_j over the completion (and, for the one-step

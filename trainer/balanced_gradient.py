@@ -1,4 +1,4 @@
-"""BGPO's seed form ("balanced gradient") as named, individually switchable pieces (DESIGN.md §4, BGPO).
+"""BGPO's seed form ("balanced gradient") as named, individually switchable pieces (docs/objectives.md).
 
 Each piece is plain torch on any `nn.Module` (a diffusers UNet, a transformers masked LM); nothing here
 knows about Ray or DeepSpeed:

@@ -1,4 +1,4 @@
-"""Testbeds: what the services read instead of constants (DESIGN §7).
+"""Testbeds: what the services read instead of constants (docs/architecture.md, "What a new testbed implements").
 
 A testbed joins its data half (rollout/: prompts, policy, sampler, pre-training) and its scoring half
 (reward/: reward models, gold monitor or verifier, eval summary) by name. The rollout workers, the

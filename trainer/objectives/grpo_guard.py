@@ -36,8 +36,8 @@ eps_clip (default 3e-5).  The normalised log-ratio is ~ red(z * delta): its size
 optimiser step moves the step means, not by s.  Measured on the default digits job (pretrained UNet,
 160 samples, lr 1e-4, micro-batch 32, 2 inner epochs = 10 optimiser steps per update, cnn reward), on the
 update's second optimiser step: median |log rho~| = 1.5e-3 / 5.8e-4 (DDIM, updates 1 / 2) and
-5.1e-4 / 2.8e-4 (flow SDE), p90 5.3e-3 / 1.5e-3 (DDIM) and 1.3e-3 / 7.1e-4 (flow) -- the same ~1e-3
-as DESIGN §4 quotes for SD3, where the authors clip at 2e-6..4e-6.  The GRPO preset's raw-ratio clip (1e-4)
+5.1e-4 / 2.8e-4 (flow SDE), p90 5.3e-3 / 1.5e-3 (DDIM) and 1.3e-3 / 7.1e-4 (flow) -- the same ~1e-3 as the
+normalised ratios of the authors' SD3 runs, where they clip at 2e-6..4e-6.  The GRPO preset's raw-ratio clip (1e-4)
 clips 98% (DDIM) / 92% (flow) of the terms on that step; a normalised clip of 3e-5 clips 97% / 95%
 (1e-5: 99% / 99%; 1e-4: 91% / 82%; 1e-3: 45% / 11%), so the default keeps the baseline's trust-region
 tightness and a GRPO vs GRPO-Guard comparison isolates RatioNorm and the re-weighting.
