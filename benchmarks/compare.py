@@ -1,12 +1,15 @@
 """Side-by-side comparison runs: (variant, seed) pairs in parallel processes, then one table and one plot.
 
-Shared by benchmarks/hacking.py and benchmarks/near_deterministic_step.py. A variant is
-(label, objective preset, overrides); each run goes through benchmarks/inprocess.py.
+Shared by benchmarks/hacking.py, benchmarks/near_deterministic_step.py and benchmarks/stability.py. A variant
+is (label, objective preset, overrides); each run is `steadyrl train --local` (the product loop in one process,
+on one torch thread), read back from its run folder.
 """
 from __future__ import annotations
 
 import json
+import math
 import statistics
+import tempfile
 import time
 from concurrent.futures import ProcessPoolExecutor
 from multiprocessing import get_context
@@ -24,28 +27,60 @@ def preset(method: str) -> Path:
     return ROOT / "configs" / f"digits-{method.replace('.', '-').replace('_', '-')}.yaml"
 
 
-def one_run(label: str, method: str, seed: int, overrides: list[str], port: int, eval_every: int) -> dict[str, Any]:
-    """One (variant, seed) run in this process; `label` names the variant in tables and plots."""
-    from benchmarks.inprocess import run_in_process
-    from steadyrl.services.config import load_config
+# per-step columns of the tables, from the run's metrics.jsonl
+ROW_KEYS = {"proxy": "reward/train_mean", "gold_accuracy": "reward/gold_accuracy",
+            "diversity_nn": "diversity/nn_distance", "diversity_pairwise": "diversity/pairwise_distance",
+            "step_s": "timing_s/step", "sync_bytes": "sync/bytes", "logp_absdiff_max": "policy/rollout_logp_absdiff_max"}
+KEPT_PREFIXES = ("policy/", "gardo/", "guard/", "stabledrl/", "bgpo/")
 
-    cfg = load_config(preset(method), [f"run.seed={seed}", *overrides])
+
+def one_run(label: str, method: str, seed: int, overrides: list[str], run_dir: Path, eval_every: int
+            ) -> dict[str, Any]:
+    """One (variant, seed) run of the product loop in this process; `label` names the variant in tables and
+    plots. Its rows end at the first step whose update was not finite (`stopped_at`: a collapse)."""
+    from steadyrl.services.controller import train
+    from steadyrl.services.report import read_metrics
+
     t0 = time.perf_counter()
-    out = run_in_process(cfg, port, eval_every=eval_every)
+    result = train(preset(method), [f"run.seed={seed}", "ray.torch_threads=1", *overrides, "run.runtime=local",
+                                    "run.progress=false", f"run.eval_every={eval_every}", f"run.run_dir={run_dir}"])
+    rows, stopped = [], None
+    for m in read_metrics(result.run_dir):
+        row = {"step": m["step"], **{k: m.get(key, 0.0) for k, key in ROW_KEYS.items()},
+               **{k: v for k, v in m.items() if k.startswith(KEPT_PREFIXES)}}
+        rows.append(row)
+        if not all(math.isfinite(m.get(k, 0.0)) for k in ("policy/grad_norm", "policy/pg_loss")):
+            stopped = m["step"]
+            break
+    evals = [{k: v for k, v in e.items() if k not in ("grid", "examples", "images", "captions")}
+             for e in json.loads((result.run_dir / "evals.json").read_text())]
+    if stopped is not None:
+        evals = [e for e in evals if e["step"] < stopped] + [{"step": stopped, "gold_accuracy": 0.0,
+                                                              "nonfinite_weights": True}]
     return {"method": label, "objective": method, "seed": seed, "overrides": overrides,
-            "wall_s": time.perf_counter() - t0, **out}
+            "wall_s": time.perf_counter() - t0, "rows": rows, "evals": evals, "stopped_at": stopped}
+
+
+def warm_caches(cfg: Any) -> None:
+    """Build (or find) the cached base model and reward models of a run's config once, before runs start in
+    parallel."""
+    from steadyrl.services.testbeds import build_testbed
+
+    testbed = build_testbed(cfg)
+    testbed.base_weights(progress=True)
+    testbed.prepare_rewards()
 
 
 def run_all(variants: list[tuple[str, str, list[str]]], seeds: list[int], jobs: int, eval_every: int) -> list[dict[str, Any]]:
-    """Every (label, method, overrides) variant for every seed, `jobs` processes at a time."""
-    from steadyrl.services.runtime import free_port
-
+    """Every (label, method, overrides) variant for every seed, `jobs` processes at a time (run folders in a
+    temporary directory: the results are what is kept)."""
     todo = [(label, method, seed, overrides) for seed in seeds for label, method, overrides in variants]
     t0 = time.perf_counter()
     runs: list[dict[str, Any]] = []
-    with ProcessPoolExecutor(max_workers=jobs, mp_context=get_context("spawn")) as pool:
-        futures = [pool.submit(one_run, label, method, seed, overrides, free_port(), eval_every)
-                   for label, method, seed, overrides in todo]
+    with tempfile.TemporaryDirectory(prefix="steadyrl-bench-") as tmp, \
+            ProcessPoolExecutor(max_workers=jobs, mp_context=get_context("spawn")) as pool:
+        futures = [pool.submit(one_run, label, method, seed, overrides, Path(tmp) / f"run{i}", eval_every)
+                   for i, (label, method, seed, overrides) in enumerate(todo)]
         for (label, _, seed, _), fut in zip(todo, futures):
             runs.append(fut.result())
             first, last = runs[-1]["evals"][0], runs[-1]["evals"][-1]

@@ -5,9 +5,8 @@ peak GPU memory and the bytes one weight sync moves, written to JSON.
     python benchmarks/gpu_check.py configs/sd15-grpo.yaml --steps 3 sampler.num_steps=20
     python benchmarks/gpu_check.py --tiny flux --steps 2                        # tiny random pipeline, no download
 
-It runs the library code `steadyrl train` runs (testbed, sampler, DeepSpeed learner, reward models), with
-the Ray/Serve layer replaced by direct calls (benchmarks/inprocess.py): the rollout policy, the learner and
-the reward models share the one GPU. `--tiny` builds a random SD-, SDXL-, SD3- or FLUX-style pipeline of the real
+It runs `steadyrl train --local` (the product loop in one process: testbed, sampler, DeepSpeed learner, reward
+models, without the Ray/Serve layer): the rollout policy, the learner and the reward models share the one GPU. `--tiny` builds a random SD-, SDXL-, SD3- or FLUX-style pipeline of the real
 architecture and a tiny CLIP (as the tests do) so the whole path can be checked on a machine without
 downloads, on GPU or CPU. The first step includes CUDA warm-up and is reported apart.
 """
@@ -44,9 +43,8 @@ def tiny_overrides(family: str, root: Path) -> list[str]:
 
 
 def check(config: str | None, overrides: list[str], steps: int) -> dict[str, Any]:
-    from benchmarks.inprocess import run_in_process
+    from benchmarks.compare import one_run
     from steadyrl.services.config import load_config
-    from steadyrl.services.runtime import free_port
 
     gpu = torch.cuda.is_available()
     devices = [] if gpu else ["ray.rollout_gpus=0", "ray.learner_gpus=0", "learner.backend=gloo"]
@@ -54,7 +52,10 @@ def check(config: str | None, overrides: list[str], steps: int) -> dict[str, Any
     if gpu:
         torch.cuda.reset_peak_memory_stats()
     t0 = time.perf_counter()
-    out = run_in_process(cfg, free_port(), eval_every=10**9, threads=torch.get_num_threads())
+    with tempfile.TemporaryDirectory(prefix="steadyrl-gpu-check-") as tmp:
+        out = one_run("gpu_check", config or "configs/digits-grpo.yaml", cfg.run.seed,
+                      [*overrides, f"run.steps={steps}", *devices, f"ray.torch_threads={torch.get_num_threads()}"],
+                      Path(tmp) / "run", eval_every=10**9)
     wall = time.perf_counter() - t0
     rows = out["rows"]
     steady = rows[1:] or rows

@@ -6,7 +6,7 @@ On digits, every method trains against the same deliberately hackable proxy (`--
 linear classifier trained on few images) while the gold classifier (disjoint data, never trained on)
 and the diversity of the samples are watched. Each (method, seed) runs `configs/digits-<method>.yaml`
 with the benchmark's overrides, in its own process (`--jobs` at a time, one torch thread each),
-through the same library code as `steadyrl train` (benchmarks/inprocess.py, benchmarks/compare.py).
+through the product loop, `steadyrl train --local` (benchmarks/compare.py).
 
 Writes to the output folder: results.json (every run's per-step rows and evals), table.md (final
 gold accuracy, proxy reward and diversity per method: mean ± std over seeds, and the change from
@@ -25,7 +25,9 @@ sys.path.insert(0, str(ROOT))
 from benchmarks.compare import preset, run_all, write_results  # noqa: E402
 
 METHODS = ["grpo", "stabledrl.paper", "stabledrl.code", "grpo_guard.paper", "gardo.paper", "gardo.seed", "draft"]
-# Named variants run beside the presets: GARDO's uncertainty sign (DESIGN §4: the code's sign is odd).
+# Named variants run beside the presets: GARDO's uncertainty sign. The authors' code takes u = rank_proxy -
+# mean rank_aux (rank 1 = highest), so u > 0 means the proxy ranks a sample worse than the auxiliaries do, the
+# opposite of "the proxy over-rates it"; `over_rating` flips the sign.
 VARIANTS = {"gardo.paper[over_rating]": ("gardo.paper", ["objective.uncertainty_sign=over_rating"])}
 
 # Hackable proxies: a linear classifier fit on ~5% of the proxy split (about 37 images), rewarding
@@ -60,7 +62,7 @@ def main() -> None:
             ap.error(f"no preset {preset(method)} for method {label!r}")
     overrides = [*PROXIES[args.proxy], f"run.steps={args.steps}", f"sampler.samples_per_class={args.samples_per_class}",
                  f"run.eval_samples_per_class={args.eval_samples_per_class}", *args.set]
-    from benchmarks.inprocess import warm_caches
+    from benchmarks.compare import warm_caches
     from steadyrl.services.config import load_config
 
     warm_caches(load_config(preset(args.methods[0]), overrides))  # build cached models once, not per process

@@ -41,7 +41,7 @@ def main() -> None:
     args = ap.parse_args()
     common = [f"run.steps={args.steps}", f"sampler.samples_per_class={args.samples_per_class}",
               f"run.eval_samples_per_class={args.eval_samples_per_class}"]
-    from benchmarks.inprocess import warm_caches
+    from benchmarks.compare import warm_caches
     from steadyrl.services.config import load_config
 
     warm_caches(load_config(preset("grpo"), common))

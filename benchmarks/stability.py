@@ -8,11 +8,11 @@ Methods (their arith presets): grpo, stabledrl.paper, stabledrl.code, bgpo.paper
   (c) many passes   inner_epochs 4 over optimisation steps of 32 samples: 16 optimiser steps per batch,
                     the later ones far off policy
 
-Counted per run (same library code as `steadyrl train`, in one process: benchmarks/inprocess.py):
+Counted per run (`steadyrl train --local`, the product loop in one process: benchmarks/compare.py):
   collapse  the final greedy exact match is more than `--collapse-drop` (absolute) below the base model's,
             i.e. it fell well below the start and did not recover (the run's minimum is reported too)
   spikes    optimiser updates whose pre-clip gradient norm exceeds 1e3 (policy/grad_norm, per RL step)
-  nan       weights became non-finite (the run stops there; counted as a collapse too)
+  nan       an update was not finite (the run's rows end there; counted as a collapse too)
 
     python benchmarks/stability.py            # ~40 min on 2 cores -> benchmarks/results/stability/
 """
@@ -109,7 +109,7 @@ def main() -> None:
     parser.add_argument("--collapse-drop", type=float, default=0.15)
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "stability")
     args = parser.parse_args()
-    from benchmarks.inprocess import warm_caches
+    from benchmarks.compare import warm_caches
     from steadyrl.services.config import load_config
 
     warm_caches(load_config(ROOT / METHODS["grpo"]))

@@ -48,11 +48,14 @@ def train(
     resume: Optional[Path] = typer.Option(None, help="continue the run in this folder from its latest checkpoint"),
     allow_changes: bool = typer.Option(False, help="with --resume: accept overrides that change what the run "
                                        "computes (objective, sampler, seed, ...); recorded in resumes.jsonl"),
+    local: bool = typer.Option(False, "--local", help="run the same loop in this process, without Ray or Serve "
+                               "(run.runtime=local): for debugging and many-seed benchmarks"),
 ) -> None:
-    """Pretrain if needed, then RL through local Ray (rollout actor -> Serve rewards -> DeepSpeed learner)."""
+    """Pretrain if needed, then RL through local Ray (rollout actor -> Serve rewards -> DeepSpeed learner), or
+    in one process with --local."""
     from steadyrl.services.controller import RunFailed, train as run_train
 
-    args = args or []
+    args = [*(args or []), *(["run.runtime=local"] if local else [])]
     if allow_changes and resume is None:
         _fail("--allow-changes only applies with --resume")
     if resume is not None:
@@ -103,7 +106,7 @@ def serve_reward(
     """Start the reward-ensemble Serve application alone and serve it until Ctrl-C."""
     from ray import serve
 
-    from steadyrl.services.reward_app import HEALTH_ROUTE, MODELS_ROUTE, ROUTE_PREFIX, SCORE_ROUTE, deploy_reward_app
+    from steadyrl.services.serving import HEALTH_ROUTE, MODELS_ROUTE, ROUTE_PREFIX, SCORE_ROUTE, deploy_reward_app
     from steadyrl.services.runtime import init_ray, start_serve
     from steadyrl.services.testbeds import build_testbed
 

@@ -29,7 +29,7 @@ class ConfigError(ValueError):
 
 
 class ArithConfig(StrictModel):
-    """The arith testbed (DESIGN §5): synthetic problems, a tiny masked-diffusion LM, an exact verifier."""
+    """The arith testbed: synthetic problems, a tiny masked-diffusion LM, an exact verifier."""
 
     task: Literal["addition", "sudoku"] = "addition"
     digits: int = Field(2, ge=1, le=8, description="addition: operand digits (zero-padded in the prompt)")
@@ -78,7 +78,7 @@ class TextToImageConfig(StrictModel):
 
 class ServeConfig(StrictModel):
     """The reward ensemble's Serve application: where its HTTP proxy listens, what its replicas reserve, how
-    they batch, and the limits of its REST API (services/reward_app.py)."""
+    they batch, and the limits of its REST API (services/serving/)."""
 
     host: str = Field("127.0.0.1", description="address Serve's HTTP proxy binds: loopback, so the REST API is "
                       "not reachable from the network unless asked for (0.0.0.0 in a cluster pod)")
@@ -185,6 +185,10 @@ class RunConfig(StrictModel):
     eval_seed: int = 1234
     checkpoint_every: int = Field(20, ge=1)
     progress: bool = True
+    runtime: Literal["ray", "local"] = Field(
+        "ray", description="ray: rollout actors, the Serve reward ensemble and DeepSpeed ranks (a local Ray or a "
+        "cluster); local: the same loop, metrics and checkpoints in one process without Ray or Serve, for "
+        "debugging and many-seed benchmarks (`steadyrl train --local`); both compute the same run")
 
 
 class TrainConfig(StrictModel):
@@ -223,6 +227,9 @@ class TrainConfig(StrictModel):
         if self.ray.weight_sync == "collective" and self.learner.max_staleness > 0:
             raise ValueError("ray.weight_sync=collective needs learner.max_staleness=0 (pipelined rollouts re-issued "
                              "after a worker restart need older weights, which only the object store keeps)")
+        if self.run.runtime == "local" and self.learner.ranks != 1:
+            raise ValueError(f"learner.ranks={self.learner.ranks}: run.runtime=local runs one learner rank in its "
+                             "process; use run.runtime=ray for more")
         if text and self.arith.model.max_positions < self.sampler.gen_length + 20:
             raise ValueError(f"arith.model.max_positions={self.arith.model.max_positions} is shorter than the "
                              f"longest prompt + sampler.gen_length")

@@ -8,7 +8,6 @@ so every rank returns the same metrics and holds the same parameters.
 from __future__ import annotations
 
 import os
-import time
 from pathlib import Path
 from typing import Any
 
@@ -17,26 +16,24 @@ import torch
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from steadyrl.rollout.batch import RolloutBatch
 from steadyrl.services.actors import actor_device, actor_info, setup_process
-from steadyrl.services.builders import build_learner
 from steadyrl.services.config import TrainConfig
-from steadyrl.services.runtime import free_port, set_rank_env
-from steadyrl.services.testbeds import build_testbed
+from steadyrl.services.learner_rank import LearnerRank
+from steadyrl.services.remote import get_all, wait_all
+from steadyrl.services.runtime import free_port
 from steadyrl.trainer.weight_broadcast import WeightBroadcastGroup
 
 
 @ray.remote
-class LearnerActor:
-    """One DeepSpeed rank. Constructed light; `init_engine` joins the process group (all ranks at once)."""
+class LearnerActor(LearnerRank):
+    """One DeepSpeed rank as a Ray actor. Constructed light; `init_engine` joins the process group (all ranks at
+    once)."""
 
     def __init__(self, cfg: dict[str, Any], run_dir: str, rank: int = 0, world_size: int = 1):
-        self.cfg = TrainConfig.model_validate(cfg)
-        self.run_dir, self.rank, self.world_size = run_dir, rank, world_size
+        super().__init__(TrainConfig.model_validate(cfg), rank, world_size)
         setup_process(self.cfg, Path(run_dir) / "logs" / f"learner_{rank}.log")
         if actor_device(self.cfg.ray.learner_gpus).type == "cuda":  # fails clearly when torch sees no GPU
             os.environ["DS_ACCELERATOR"] = "cuda"  # before DeepSpeed first picks its accelerator
-        self.learner = None
         self.weight_group: WeightBroadcastGroup | None = None
 
     def rendezvous(self) -> tuple[str, int]:
@@ -44,11 +41,8 @@ class LearnerActor:
         return ray.util.get_node_ip_address(), free_port("")
 
     def init_engine(self, base_weights: dict[str, torch.Tensor], master_addr: str, master_port: int) -> dict[str, Any]:
-        """Join the process group and build the engine; returns where this rank runs (for actors.json)."""
-        set_rank_env(master_port, self.rank, self.world_size, master_addr)
-        torch.manual_seed(self.cfg.run.seed)
-        testbed = build_testbed(self.cfg)
-        self.learner = build_learner(self.cfg, testbed.build_policy(base_weights).train(), testbed.build_sampler())
+        """`build`; returns where this rank runs (for actors.json)."""
+        self.build(base_weights, master_addr, master_port)
         return actor_info("learner", self.rank)
 
     def join_weight_group(self, master_addr: str, master_port: int, size: int, backend: str) -> None:
@@ -59,21 +53,6 @@ class LearnerActor:
         """Every rank gathers (ZeRO-3 needs all); rank 0 broadcasts to the rollout workers. Returns bytes sent."""
         weights = self.learner.weights()
         return self.weight_group.broadcast(weights) if self.rank == 0 else 0
-
-    def update(self, *batches: RolloutBatch) -> dict[str, float]:
-        t0 = time.perf_counter()
-        metrics = self.learner.update(RolloutBatch.concat(batches))
-        metrics["timing_s/update"] = time.perf_counter() - t0
-        return metrics
-
-    def weights(self) -> dict[str, torch.Tensor]:
-        return self.learner.weights()
-
-    def save(self, directory: str) -> None:
-        self.learner.save(Path(directory))
-
-    def load(self, directory: str) -> None:
-        self.learner.load(Path(directory))
 
 
 class LearnerGroup:
@@ -96,33 +75,50 @@ class LearnerGroup:
         self.gathering = self.actors if cfg.learner.zero_stage == 3 else self.actors[:1]
         self._base_weights = base_weights
         self._init: list[ray.ObjectRef] | None = None
+        self.timeout_s = cfg.ray.step_timeout_s
 
-    def ready(self) -> list[ray.ObjectRef]:
-        """Start the engines (rank 0's address is the rendezvous) and return refs that resolve once every rank
-        has joined the process group and built its engine (to where each rank runs). The actors' processes
-        start at construction, so other set-up (the reward app) can run meanwhile."""
-        if self._init is None:
-            addr, port = ray.get(self.actors[0].rendezvous.remote())
-            self._init = [a.init_engine.remote(self._base_weights, addr, port) for a in self.actors]
-        return self._init
+    def start(self) -> None:
+        """Start building the engines (rank 0's address is the rendezvous); `infos` waits for them. The actors'
+        processes start at construction, so other set-up (the reward app) can run meanwhile."""
+        addr, port = get_all([(self._name(0), self.actors[0].rendezvous.remote())], self.timeout_s)[0]
+        self._init = [a.init_engine.remote(self._base_weights, addr, port) for a in self.actors]
 
-    def update(self, *batch_refs: ray.ObjectRef) -> list[ray.ObjectRef]:
-        """Every rank's metrics (equal after the learner's reduction); rank 0's is the first."""
-        return [a.update.remote(*batch_refs) for a in self.actors]
+    def infos(self) -> list[dict[str, Any]]:
+        """Where each rank runs, once every rank has joined the process group and built its engine."""
+        return self._all(self._init)
+
+    def _all(self, calls: list[ray.ObjectRef]) -> list[Any]:
+        """Every rank's result; a rank that dies or hangs fails as `ComponentFailed` naming it."""
+        return get_all([(self._name(r), ref) for r, ref in enumerate(calls)], self.timeout_s)
+
+    def _name(self, rank: int) -> str:
+        return "the learner" if len(self.actors) == 1 else f"learner rank {rank}"
+
+    def update(self, batch_refs: list[ray.ObjectRef]) -> dict[str, float]:
+        """One update on the workers' batches; rank 0's metrics (every rank's are equal after the learner's
+        reduction)."""
+        return self.update_ranks(batch_refs)[0]
+
+    def update_ranks(self, batch_refs: list[ray.ObjectRef]) -> list[dict[str, float]]:
+        """One update on the workers' batches; every rank's metrics, rank 0's first."""
+        return self._all([a.update.remote(*batch_refs) for a in self.actors])
 
     def weights(self) -> ray.ObjectRef:
-        """Rank 0's trained tensors (under ZeRO-3 every rank takes part in the gather)."""
-        return [a.weights.remote() for a in self.gathering][0]
+        """Rank 0's trained tensors, left in the object store (under ZeRO-3 every rank takes part in the
+        gather); waited for, so a learner that dies here is named, but not fetched."""
+        refs = [a.weights.remote() for a in self.gathering]
+        wait_all([(self._name(r), ref) for r, ref in enumerate(refs)], self.timeout_s, check=False)
+        return refs[0]
 
     def broadcast_weights(self) -> list[ray.ObjectRef]:
         """Rank 0's broadcast to the weight group (under ZeRO-3 every rank takes part in the gather)."""
         return [a.broadcast_weights.remote() for a in self.gathering]
 
     def save(self, directory: str) -> None:
-        ray.get([a.save.remote(directory) for a in self.actors])
+        self._all([a.save.remote(directory) for a in self.actors])
 
     def load(self, directory: str) -> None:
-        ray.get([a.load.remote(directory) for a in self.actors])
+        self._all([a.load.remote(directory) for a in self.actors])
 
     def kill(self) -> None:
         for a in self.actors:

@@ -4,7 +4,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import socket
 import sys
 from pathlib import Path
 
@@ -13,22 +12,9 @@ from ray import serve
 
 from steadyrl.rollout.cache import cache_root, torch_extensions_dir
 from steadyrl.services.config import ServeConfig
+from steadyrl.services.rank_env import free_port, set_rank_env  # noqa: F401 - also imported from here
 
 OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A port free on `host` ("" = every interface, as a rendezvous other nodes connect to needs)."""
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
-def set_rank_env(master_port: int, rank: int = 0, world_size: int = 1, master_addr: str = "127.0.0.1") -> None:
-    """The environment one DeepSpeed rank of this process needs (gloo on CPU), and the cached compiled ops."""
-    os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(torch_extensions_dir()))
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), MASTER_ADDR=master_addr,
-                      MASTER_PORT=str(master_port))
 
 
 def worker_env() -> dict[str, str]:

@@ -48,37 +48,19 @@ def serve_port(ray_cluster) -> int:
     return port
 
 
-def ensure_digits_app() -> None:
-    """The default digits reward ensemble deployed (again, if a run or test replaced it). Digits runs find it
-    serving their ensemble and use it instead of deploying their own (~30 s each on 2 cores)."""
-    from steadyrl.reward.config import RewardConfig
-    from steadyrl.services.reward_app import deploy_reward_app
-
-    deploy_reward_app(RewardConfig(), reuse=True)
-
-
 @pytest.fixture()
 def digits_app(serve_port) -> None:
+    from tests.helpers import ensure_digits_app
+
     ensure_digits_app()
 
 
 @pytest.fixture()
 def reward_url(serve_port, digits_app) -> str:
     """Base URL of the reward ensemble app."""
-    from steadyrl.services.reward_app import ROUTE_PREFIX
+    from steadyrl.services.serving import ROUTE_PREFIX
 
     return f"http://127.0.0.1:{serve_port}{ROUTE_PREFIX}"
-
-
-# The short smoke run that the resume, fault-tolerance and weight-sync tests each compare their run with.
-SMOKE_SHORT = ["run.steps=6", "run.checkpoint_every=3", "run.eval_every=3", "run.eval_samples_per_class=2",
-               "sampler.samples_per_class=4", "run.progress=false"]
-VOLATILE_METRICS = ("timing_s/", "perf/", "faults/")  # wall-clock figures and fault counters
-
-
-def computed_metrics(rows: list[dict]) -> list[dict]:
-    """A run's metrics rows without the keys two runs of the same computation may differ in."""
-    return [{k: v for k, v in r.items() if not k.startswith(VOLATILE_METRICS)} for r in rows]
 
 
 @pytest.fixture(scope="session")
@@ -86,6 +68,7 @@ def smoke_straight(ray_cluster, serve_port, tmp_path_factory):
     """configs/smoke.yaml with SMOKE_SHORT, run straight through once per session (6 steps, checkpoints at 3, 6)."""
     from steadyrl.services.config import CONFIG_DIR
     from steadyrl.services.controller import train
+    from tests.helpers import SMOKE_SHORT, ensure_digits_app
 
     ensure_digits_app()
     result = train(CONFIG_DIR / "smoke.yaml", [f"run.run_dir={tmp_path_factory.mktemp('smoke') / 'straight'}",

@@ -91,17 +91,38 @@ def test_verifier_features_measure_hamming_distance():
     assert torch.allclose(d2, torch.tensor([[0.0, 1, 3], [1, 0, 3], [3, 3, 0]]), atol=1e-5)
 
 
-def test_the_sudoku_task_pretrains_samples_and_trains_in_process():
+def test_the_sudoku_task_pretrains_samples_and_trains_in_process(tmp_path):
     """The harder task end to end in one process (a short pre-training: the path, not the accuracy)."""
-    from benchmarks.inprocess import run_in_process
     from steadyrl.services.config import CONFIG_DIR, load_config
-    from steadyrl.services.runtime import free_port
+    from tests.helpers import train_local
 
-    cfg = load_config(CONFIG_DIR / "arith-sudoku-grpo.yaml",
-                      ["arith.pretrain.iterations=10", "arith.pretrain.batch_size=16", "run.steps=1",
-                       "arith.eval_problems=6", "arith.prompts_per_step=2", "sampler.samples_per_class=4",
-                       "learner.micro_batch_size=8", "learner.optim_batch_size=8"])
-    out = run_in_process(cfg, free_port(), eval_every=1)
-    assert out["stopped_at"] is None and len(out["rows"]) == 1
-    assert 0 <= out["rows"][0]["proxy"] <= 1 and out["evals"][-1]["breakdown"] == {
-        "16-digit answers": out["evals"][-1]["gold_accuracy"]}
+    overrides = ["arith.pretrain.iterations=10", "arith.pretrain.batch_size=16", "run.steps=1",
+                 "arith.eval_problems=6", "arith.prompts_per_step=2", "sampler.samples_per_class=4",
+                 "learner.micro_batch_size=8", "learner.optim_batch_size=8"]
+    cfg = load_config(CONFIG_DIR / "arith-sudoku-grpo.yaml", overrides)
+    result, rows = train_local(CONFIG_DIR / "arith-sudoku-grpo.yaml", tmp_path / "run", overrides)
+    assert result.steps_done == 1 and len(rows) == 1
+    assert result.final_eval["breakdown"] == {"16-digit answers": result.final_eval["gold_accuracy"]}
+    # what the run trains on (the partial-credit verifier) and monitors (the exact one), through the ensemble its
+    # testbed builds: exact values on hand-built completions of the run's first training prompt
+    from steadyrl.services.testbeds import build_testbed
+
+    testbed = build_testbed(cfg)
+    prompts, _ = testbed.train_prompts(0, 1, 0)
+    problem = testbed.task.problems(cfg.arith.train_seed, [0])[0]
+    answer, givens = problem.answer, problem.prompt.rstrip("=").replace("|", "")
+    assert TOKENIZER.decode(prompts[0]) == problem.prompt
+    blanks = [i for i, c in enumerate(givens) if c == "0"]
+    # two blank cells of one row with different digits, swapped: the row stays valid, their 2 columns break, and
+    # their 2 boxes too unless both cells are in one box -> 10/12 or 8/12 of the units valid
+    i, j = next((i, j) for i, j in itertools.combinations(blanks, 2) if i // 4 == j // 4 and answer[i] != answer[j])
+    swapped = list(answer)
+    swapped[i], swapped[j] = swapped[j], swapped[i]
+    credit = (12 - 2 - (0 if i % 4 // 2 == j % 4 // 2 else 2)) / 12
+    given = next(k for k, c in enumerate(givens) if c != "0")
+    changed = answer[:given] + "1234"[("1234".index(answer[given]) + 1) % 4] + answer[given + 1:]
+    completions = [answer, "".join(swapped), changed, answer[:7] + "+" + answer[8:], "5" + answer[1:]]
+    ids = torch.tensor([TOKENIZER.encode(c) for c in completions])
+    scores = testbed.reward_ensemble().score_all(ids, prompts[:1].expand(len(ids), -1))
+    assert scores.reward.tolist() == pytest.approx([1.0, credit, 0.0, 0.0, 0.0], abs=1e-7)
+    assert scores.monitors["exact_correct"].tolist() == [1.0, 0.0, 0.0, 0.0, 0.0]

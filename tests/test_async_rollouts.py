@@ -9,11 +9,11 @@ import signal
 
 import pytest
 
-from conftest import SMOKE_SHORT, computed_metrics
-from test_fault_tolerance import _in_thread, _pid, _steps_logged, _wait_for
 from steadyrl.services.config import CONFIG_DIR
 from steadyrl.services.controller import RunFailed, train
 from steadyrl.services.report import read_metrics
+from tests.helpers import (SMOKE_SHORT, actor_pid, computed_metrics, ensure_digits_app, steps_logged,
+                           train_in_thread, wait_for)
 
 SMOKE = CONFIG_DIR / "smoke.yaml"
 ASYNC = [*SMOKE_SHORT, "learner.max_staleness=1"]
@@ -21,8 +21,6 @@ ASYNC = [*SMOKE_SHORT, "learner.max_staleness=1"]
 
 @pytest.fixture(scope="module")
 def async_run(ray_cluster, serve_port, tmp_path_factory):
-    from conftest import ensure_digits_app
-
     ensure_digits_app()
     result = train(SMOKE, [f"run.run_dir={tmp_path_factory.mktemp('async') / 'straight'}", *ASYNC])
     assert result.steps_done == 6
@@ -48,9 +46,9 @@ def test_pipelined_batches_lag_one_update_and_are_reweighted(async_run, smoke_st
 
 def test_a_killed_pipelined_run_resumes_to_the_same_run(async_run, digits_app, tmp_path):
     run = tmp_path / "killed"
-    thread, out = _in_thread(run, ASYNC)
-    _wait_for(lambda: _steps_logged(run) >= 4, "step 4 (after the step-3 checkpoint)")
-    os.kill(_pid(run, "learner_0"), signal.SIGKILL)
+    thread, out = train_in_thread(run, ASYNC)
+    wait_for(lambda: steps_logged(run) >= 4, "step 4 (after the step-3 checkpoint)")
+    os.kill(actor_pid(run, "learner_0"), signal.SIGKILL)
     thread.join(timeout=300)
     assert isinstance(out.get("error"), RunFailed), out
     step3 = run / "checkpoints" / "step_3"

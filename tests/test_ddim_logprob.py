@@ -1,4 +1,6 @@
-"""The sampler's stored log-probs and the learner's recompute are the same math (DESIGN §3)."""
+"""The DDIM sampler's stored log-probs and the learner's recompute are the same math: the Gaussian log-density of
+the stored transition x_t -> x_{t-1} under the stated step mean and std, so a recompute with the rollout's weights
+reproduces the stored value (to float rounding)."""
 from __future__ import annotations
 
 import math

@@ -1,14 +1,15 @@
 """Objectives on MC-estimated sequence likelihoods: BGPO's bound and the learner's two-pass exact pieces."""
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
 from steadyrl.rollout.arith import TOKENIZER
 from steadyrl.services.runtime import free_port, set_rank_env
-from tests.test_masked_diffusion import prompts, sampler, tiny_lm
 from steadyrl.trainer.objectives.base import StepInputs
 from steadyrl.trainer.objectives.bgpo import BGPOPaper, BGPOPaperSettings, bgpo_bound
+from tests.helpers import arith_prompts, masked_sampler, tiny_lm
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -17,8 +18,8 @@ def single_rank():
 
 
 def rollout(model, n_mc=4, seed=0):
-    s = sampler(mc_samples=n_mc, gen_length=4, num_steps=4)
-    batch = s.sample(model, prompts(3), 4, torch.Generator().manual_seed(seed))
+    s = masked_sampler(mc_samples=n_mc, gen_length=4, num_steps=4)
+    batch = s.sample(model, arith_prompts(3), 4, torch.Generator().manual_seed(seed))
     adv = torch.randn(len(batch), generator=torch.Generator().manual_seed(seed + 1), dtype=torch.float64)
     return s, batch.replace(advantages=adv)
 
@@ -98,27 +99,48 @@ def test_the_learners_two_pass_pieces_give_the_single_graph_gradient():
 
 
 def test_grpo_on_masked_diffusion_raises_the_reward_of_a_token():
-    """A few learner updates with the reward 'completion starts with digit 1' make it more likely."""
+    """A few learner updates with the reward 'completion starts with digit 1' make it more likely. The learner's
+    KL monitor is the k3 estimate of KL(pi_theta || pi_ref) on the sequence estimates: mean_i exp(r_i) - r_i - 1,
+    r_i = log pi_ref(y_i) - log pi_theta(y_i), each log pi the mean over the batch's MC mask samples, pi_ref the
+    initial policy (GRPO never resets it) -- recomputed here in float64 numpy from the two models' log-probs."""
     from steadyrl.trainer.config import LearnerConfig
     from steadyrl.trainer.learner import DeepSpeedLearner
     from steadyrl.trainer.objectives.grpo import GRPOSettings
 
-    s = sampler(mc_samples=2, gen_length=4, num_steps=4)
+    s = masked_sampler(mc_samples=2, gen_length=4, num_steps=4)
     learner = DeepSpeedLearner(tiny_lm(dtype=torch.float32), s, GRPOSettings(eps_clip=0.2, kl_coef=0.01),
                                LearnerConfig(lr=3e-3, micro_batch_size=16, inner_epochs=1))
+    reference = tiny_lm(dtype=torch.float32)  # the weights the learner started from
     one = TOKENIZER.encode("1")[0]
 
-    def batch(seed):
+    def current_policy():
         policy = tiny_lm(dtype=torch.float32)
         policy.load_state_dict(learner.weights())
-        b = s.sample(policy, prompts(8, seed), 8, torch.Generator().manual_seed(seed))
+        return policy
+
+    def batch(seed):
+        b = s.sample(current_policy(), arith_prompts(8, seed), 8, torch.Generator().manual_seed(seed))
         r = (b.samples[:, 0] == one).float()
         return b.replace(rewards=r.unsqueeze(1), reward_names=["r"], reward_key="r")
 
+    def k3_of_sequence_estimates(b) -> float:
+        with torch.no_grad():
+            ell = [np.mean([s.log_prob(model, b, j).logp.double().numpy() for j in range(2)], axis=0)
+                   for model in (reference, current_policy())]
+        r = ell[0] - ell[1]
+        return float(np.mean(np.exp(r) - r - 1))
+
     start = float(batch(100).rewards.mean())
     for i in range(8):
-        m = learner.update(batch(i))
-        assert "policy/kl_ref" in m and m["policy/kl_ref_monitor"] >= 0
+        b = batch(i)
+        want = k3_of_sequence_estimates(b)
+        m = learner.update(b)
+        assert "policy/kl_ref" in m
+        if i == 0:  # the policy is the reference: both log-probs are the same computation, the KL exactly 0
+            assert want == 0.0 and m["policy/kl_ref_monitor"] == 0.0
+        else:
+            assert m["policy/kl_ref_monitor"] == pytest.approx(want, rel=1e-3, abs=1e-7), i
+    assert want > 1e-3  # the policy has moved away from the reference: the comparison above is not 0 == 0
     assert float(batch(100).rewards.mean()) > start + 0.2
 
 

@@ -1,18 +1,22 @@
 """The arith testbed through real Ray, Serve (the verifier over HTTP too) and DeepSpeed: a dLLM learns."""
 from __future__ import annotations
 
+import math
+
 import httpx
 import pytest
 
 from steadyrl.services.config import CONFIG_DIR, load_config
 from steadyrl.services.controller import train
 from steadyrl.services.report import read_metrics
+from tests.helpers import train_local
 
 
 @pytest.fixture(scope="module")
 def arith_run(ray_cluster, serve_port, tmp_path_factory):
-    """The default arith preset (GRPO), cut to 24 steps (in-process, seed 0, the cached base model of a fresh
-    machine: exact match 70.5 % -> 76 % at step 16, 85 % at step 24)."""
+    """The default arith preset (GRPO), cut to 24 steps. Pre-training is bitwise reproducible, so every machine
+    builds the same seed-0 base model: exact match 70.5 % -> 85 % (`steadyrl train --local`). Not yet robust to
+    the base model: seed 2 gains +8.5 points and seed 1 (a weak 18.5 % base) none in 24 steps."""
     run_dir = tmp_path_factory.mktemp("arith") / "run"
     result = train(CONFIG_DIR / "arith-grpo.yaml",
                    [f"run.run_dir={run_dir}", "run.steps=24", "run.eval_every=24", "run.checkpoint_every=12",
@@ -45,7 +49,7 @@ def test_the_verifier_app_scores_text_and_token_ids_over_http(ray_cluster, serve
     from ray import serve
 
     from steadyrl.rollout.arith import TOKENIZER
-    from steadyrl.services.reward_app import APP_NAME, ROUTE_PREFIX, deploy_reward_app
+    from steadyrl.services.serving import APP_NAME, ROUTE_PREFIX, deploy_reward_app
     from steadyrl.services.testbeds import build_testbed
 
     testbed = build_testbed(load_config(CONFIG_DIR / "arith-grpo.yaml"))
@@ -71,15 +75,10 @@ def test_the_verifier_app_scores_text_and_token_ids_over_http(ray_cluster, serve
 @pytest.mark.parametrize("preset, own_key", [("arith-stabledrl", "stabledrl/norm"),
                                              ("arith-stabledrl-code", "stabledrl/weight_max"),
                                              ("arith-bgpo", "bgpo/bound_mean")])
-def test_every_dllm_preset_trains(preset, own_key):
-    """Each preset's objective through its testbed, sampler and DeepSpeed learner (in one process: the Ray
+def test_every_dllm_preset_trains(preset, own_key, tmp_path):
+    """Each preset's objective through its testbed, sampler and DeepSpeed learner (the local runtime: the Ray
     path is the GRPO run above, and the presets differ from it only in what the learner computes)."""
-    from benchmarks.inprocess import run_in_process
-    from steadyrl.services.runtime import free_port
-
-    cfg = load_config(CONFIG_DIR / f"{preset}.yaml", ["run.steps=2", "arith.eval_problems=20"])
-    out = run_in_process(cfg, free_port(), eval_every=10**9)
-    rows = out["rows"]
-    assert out["stopped_at"] is None and len(rows) == 2
-    assert all(own_key in r and r[own_key] == r[own_key] for r in rows)
+    result, rows = train_local(CONFIG_DIR / f"{preset}.yaml", tmp_path / "run", ["run.steps=2", "arith.eval_problems=20"])
+    assert result.steps_done == 2 and len(rows) == 2
+    assert all(own_key in r and math.isfinite(r[own_key]) for r in rows)
     assert all(r["policy/grad_norm"] > 0 for r in rows)

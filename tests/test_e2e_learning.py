@@ -7,7 +7,7 @@ import shutil
 import pytest
 from typer.testing import CliRunner
 
-from conftest import ensure_digits_app
+from tests.helpers import ensure_digits_app
 from steadyrl.services.cli import app
 from steadyrl.services.config import CONFIG_DIR
 from steadyrl.services.controller import latest_checkpoint, train
@@ -18,6 +18,9 @@ SMOKE = CONFIG_DIR / "smoke.yaml"
 
 @pytest.fixture(scope="module")
 def smoke_run(ray_cluster, serve_port, tmp_path_factory):
+    """configs/smoke.yaml, 30 steps. Measured with `steadyrl train --local` on base-model seeds 0/1/2
+    (pretrain.seed): gold accuracy +21/+23/+20 points, proxy reward +0.15/+0.15/+0.10 over the last 5 steps; the
+    asserted +0.05 holds for each."""
     ensure_digits_app()
     run_dir = tmp_path_factory.mktemp("smoke") / "run"
     result = train(SMOKE, [f"run.run_dir={run_dir}"])
@@ -27,8 +30,9 @@ def smoke_run(ray_cluster, serve_port, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def flow_run(ray_cluster, serve_port, tmp_path_factory):
-    """The rectified-flow preset, cut to 20 steps of 8 images per class (in-process, seed 0: gold accuracy
-    69% -> 79%, proxy reward 0.80 -> 0.90 over the last 5 steps)."""
+    """The rectified-flow preset, cut to 20 steps of 8 images per class. Measured with `steadyrl train --local` on
+    base-model seeds 0/1/2 (pretrain.seed): gold accuracy +10/+19/+18 points, proxy reward +0.10/+0.15/+0.10 over
+    the last 5 steps; the asserted +0.05 holds for each."""
     ensure_digits_app()
     run_dir = tmp_path_factory.mktemp("flow") / "run"
     result = train(CONFIG_DIR / "digits-flow-grpo.yaml",

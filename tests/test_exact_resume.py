@@ -15,11 +15,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import SMOKE_SHORT as RUN, computed_metrics
 from steadyrl.services.config import CONFIG_DIR, ConfigError, load_config
 from steadyrl.services.controller import train
 from steadyrl.services.report import read_metrics
 from steadyrl.services.resume import RESUMES_LOG, check_resume, record_resume
+from tests.helpers import SMOKE_SHORT as RUN, computed_metrics
 
 ROOT = Path(__file__).resolve().parents[1]
 SMOKE = CONFIG_DIR / "smoke.yaml"

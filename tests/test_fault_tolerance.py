@@ -7,55 +7,19 @@ from __future__ import annotations
 import json
 import os
 import signal
-import threading
 import time
-from pathlib import Path
-from typing import Any, Callable
 
 import pytest
 import ray
 from ray import serve
 
-from conftest import SMOKE_SHORT, computed_metrics
-from steadyrl.services.config import CONFIG_DIR
 from steadyrl.services.controller import ACTORS_FILE, RunFailed, train
 from steadyrl.services.report import read_metrics
 from steadyrl.services.retry import is_process_failure, with_retries
-from steadyrl.services.reward_app import APP_NAME
+from steadyrl.services.serving import APP_NAME
+from tests.helpers import SMOKE_SHORT, actor_pid, computed_metrics, steps_logged, train_in_thread, wait_for
 
-SMOKE = CONFIG_DIR / "smoke.yaml"
 SAMPLES_PER_STEP = 10 * 4  # ten digit classes x sampler.samples_per_class=4
-
-
-def _wait_for(condition: Callable[[], bool], what: str, timeout_s: float = 300) -> None:
-    deadline = time.time() + timeout_s
-    while not condition():
-        assert time.time() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)
-
-
-def _steps_logged(run: Path) -> int:
-    path = run / "metrics.jsonl"
-    return len(path.read_text().splitlines()) if path.exists() else 0
-
-
-def _pid(run: Path, actor: str) -> int:
-    return int(json.loads((run / ACTORS_FILE).read_text())["actors"][actor]["pid"])
-
-
-def _in_thread(run: Path, overrides: list[str]) -> tuple[threading.Thread, dict[str, Any]]:
-    """train() on a thread of this process (the test's driver), so the main thread can kill its actors."""
-    out: dict[str, Any] = {}
-
-    def target() -> None:
-        try:
-            out["result"] = train(SMOKE, [f"run.run_dir={run}", *overrides])
-        except BaseException as err:  # noqa: BLE001 - handed to the test
-            out["error"] = err
-
-    thread = threading.Thread(target=target, daemon=True)
-    thread.start()
-    return thread, out
 
 
 def _alive(pid: int) -> bool:
@@ -123,11 +87,11 @@ def test_only_process_failures_and_timeouts_are_retried(ray_cluster):
 def test_killed_rollout_worker_and_reward_replica_are_replaced_without_losing_a_sample(smoke_straight, digits_app,
                                                                                        tmp_path):
     run = tmp_path / "faults"
-    thread, out = _in_thread(run, SMOKE_SHORT)
-    _wait_for(lambda: _steps_logged(run) >= 1, "step 1")
-    first_worker = _pid(run, "rollout_0")
+    thread, out = train_in_thread(run, SMOKE_SHORT)
+    wait_for(lambda: steps_logged(run) >= 1, "step 1")
+    first_worker = actor_pid(run, "rollout_0")
     os.kill(first_worker, signal.SIGKILL)  # step 2 is under way
-    _wait_for(lambda: _steps_logged(run) >= 3, "step 3")
+    wait_for(lambda: steps_logged(run) >= 3, "step 3")
     name, first_replica = _replica("reward_cnn")  # the reward the run trains on
     os.kill(first_replica, signal.SIGKILL)  # the next scoring call meets it dead
     thread.join(timeout=600)
@@ -149,9 +113,9 @@ def test_killed_rollout_worker_and_reward_replica_are_replaced_without_losing_a_
 def test_a_dead_learner_fails_the_run_with_the_checkpoint_intact_and_says_how_to_resume(smoke_straight, digits_app,
                                                                                        tmp_path):
     run = tmp_path / "learner-dies"
-    thread, out = _in_thread(run, SMOKE_SHORT)
-    _wait_for(lambda: _steps_logged(run) >= 4, "step 4 (after the step-3 checkpoint)")
-    os.kill(_pid(run, "learner_0"), signal.SIGKILL)
+    thread, out = train_in_thread(run, SMOKE_SHORT)
+    wait_for(lambda: steps_logged(run) >= 4, "step 4 (after the step-3 checkpoint)")
+    os.kill(actor_pid(run, "learner_0"), signal.SIGKILL)
     thread.join(timeout=300)
     err = out.get("error")
     assert isinstance(err, RunFailed), out
@@ -160,7 +124,7 @@ def test_a_dead_learner_fails_the_run_with_the_checkpoint_intact_and_says_how_to
     ckpts = run / "checkpoints"
     assert (ckpts / "latest").read_text().strip() == "step_3" and not list(ckpts.glob(".*tmp*"))
     # the run stopped its own actors and left the reward app it found serving (the session's)
-    _wait_for(lambda: not _alive(_pid(run, "rollout_0")), "the rollout worker to be stopped", 60)
+    wait_for(lambda: not _alive(actor_pid(run, "rollout_0")), "the rollout worker to be stopped", 60)
     assert serve.status().applications[APP_NAME].status == "RUNNING"
     # intact: resuming from it trains step 4 exactly as the run nobody killed did
     resumed = train(resume_dir=run, overrides=["run.steps=4"])

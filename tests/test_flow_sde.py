@@ -1,5 +1,6 @@
-"""Flow-GRPO's SDE on the rectified-flow model: the stated Gaussian step, the exact recompute, the grid
-and the velocity pretraining (DESIGN §3, §5)."""
+"""Flow-GRPO's SDE on the rectified-flow model: each stochastic step is the stated Gaussian (so the learner's
+recompute of a stored transition's log-prob is exact), the sigma grid is diffusers' flow-match grid, and the
+velocity pretraining fits v = eps - x0 (and is cached apart from epsilon models)."""
 from __future__ import annotations
 
 import math
@@ -8,7 +9,7 @@ import pytest
 import torch
 from diffusers import FlowMatchEulerDiscreteScheduler
 
-from steadyrl.rollout.cache import config_key
+from steadyrl.rollout.cache import build_key
 from steadyrl.rollout.config import FlowSDESamplerConfig, SchedulerConfig, UNetConfig
 from steadyrl.rollout.flow_sde import FlowSDESampler
 from steadyrl.rollout.models import build_class_policy
@@ -162,8 +163,8 @@ def test_velocity_model_never_shares_the_epsilon_cache_folder(monkeypatch, tmp_p
     monkeypatch.setenv("STEADYRL_CACHE", str(tmp_path))
     unet, sched, pre = UNetConfig(), SchedulerConfig(), PretrainConfig()
     eps_dir = pretrained_unet_dir(unet, sched, pre)
-    # the epsilon key is the one used before velocity models existed (cached models stay valid)
-    old_key = config_key({"unet": unet.model_dump(), "sched": sched.model_dump(), "pretrain": pre.model_dump()})
+    # the epsilon key has no prediction field (as before velocity models existed)
+    old_key = build_key({"unet": unet.model_dump(), "sched": sched.model_dump(), "pretrain": pre.model_dump()})
     assert eps_dir == tmp_path / "models" / f"digits-unet-{old_key}"
     assert pretrained_unet_dir(unet, sched, pre, prediction="epsilon") == eps_dir
     flow_dir = pretrained_unet_dir(unet, sched, pre, prediction="velocity")

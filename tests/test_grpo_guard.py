@@ -121,7 +121,7 @@ def test_guard_loss_is_the_clipped_normalised_ratio_over_dt_summed_over_n_terms(
     assert float(m["guard/bias_mean"]) > 0
 
 
-# ---------------------------------------------------------------------------------------------- the DESIGN property
+# ------------------------------------------------------------------- RatioNorm centres and levels the log-ratio
 def per_step_log_ratios(sampler, old, new, batch):
     """{step: (raw, normalised)} of the new policy against the old one, float64, on-policy for the old policy:
     at each stored x_t, the transitions mu_old +/- s z (antithetic pairs of the recorded noise)."""
@@ -168,7 +168,7 @@ def centred_and_level(ratios):
 
 
 def test_ratio_norm_centres_and_levels_the_per_step_log_ratio_after_one_learner_step():
-    """DESIGN §4 (GRPO-Guard): after one optimiser step of the real learner on the flow-SDE testbed, the
+    """GRPO-Guard's RatioNorm property: after one optimiser step of the real learner on the flow-SDE testbed, the
     normalised log-ratio has a per-step mean within 0.01 std of 0 and per-step stds within 2x of each other;
     the raw log-ratio has neither (mean = -KL, std ~ |delta|/s).
 

@@ -5,24 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from steadyrl.rollout.config import DDIMSamplerConfig, SchedulerConfig, UNetConfig
-from steadyrl.rollout.ddim import DDIMLogProbSampler
-from steadyrl.rollout.models import build_scheduler, build_class_policy
-from steadyrl.services.runtime import free_port, set_rank_env
+from steadyrl.rollout.models import build_class_policy
 from steadyrl.trainer.config import LearnerConfig
-from steadyrl.trainer.objectives.grpo import GRPOSettings
-
-TINY = UNetConfig(block_out_channels=(8, 16), norm_num_groups=4)
-
-
-def tiny_learner(cfg: LearnerConfig):
-    """A DeepSpeed learner (gloo, this process) on the tiny class-conditional UNet, 5 DDIM steps, GRPO."""
-    set_rank_env(free_port())
-    from steadyrl.trainer.learner import DeepSpeedLearner
-
-    torch.manual_seed(0)
-    sampler = DDIMLogProbSampler(DDIMSamplerConfig(num_steps=5), build_scheduler(SchedulerConfig()))
-    return DeepSpeedLearner(build_class_policy(TINY), sampler, GRPOSettings(eps_clip=0.2), cfg, seed=0)
+from tests.helpers import TINY_UNET, tiny_learner
 
 
 @pytest.fixture(scope="module")
@@ -31,7 +16,7 @@ def learner():
 
 
 def scored_batch(learner, reward_fn, seed=0):
-    policy = build_class_policy(TINY)
+    policy = build_class_policy(TINY_UNET)
     policy.load_trainable_state_dict(learner.weights())
     b = learner.sampler.sample(policy, torch.arange(4), 6, torch.Generator().manual_seed(seed))
     r = reward_fn(b.samples)
@@ -44,7 +29,8 @@ def test_constant_rewards_give_zero_advantage_and_leave_weights_unchanged(learne
     after = learner.weights()
     assert all(torch.equal(before[k], after[k]) for k in before)
     assert m["policy/adv_abs_mean"] == 0.0
-    # the rollout ran with the same weights: the recompute matches (DESIGN §3b) and no alarm fires
+    # the rollout ran with the same weights: the learner's recompute of the old log-probs equals the rollout's
+    # stored ones up to float32 rounding (< 1e-4), so the stale-weights alarm does not fire
     assert m["policy/rollout_logp_absdiff_max"] < 1e-4 and m["policy/rollout_logp_alarm"] == 0.0
 
 

@@ -37,8 +37,9 @@ def run_group(ray, cfg, weights, batch, tmp_path):
 
     group = LearnerGroup(cfg, ray.put(weights), tmp_path)
     try:
-        ray.get(group.ready())
-        metrics = ray.get(group.update(ray.put(batch)))
+        group.start()
+        group.infos()
+        metrics = group.update_ranks([ray.put(batch)])
         params = ray.get([a.weights.remote() for a in group.actors])
     finally:
         group.kill()

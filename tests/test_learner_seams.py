@@ -5,14 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from steadyrl.rollout.config import DDIMSamplerConfig, FlowSDESamplerConfig, SchedulerConfig, UNetConfig
-from steadyrl.rollout.models import build_class_policy
-from steadyrl.rollout.samplers import build_sampler
 from steadyrl.services.runtime import free_port, set_rank_env
-from steadyrl.trainer.config import LearnerConfig
-
-TINY = UNetConfig(block_out_channels=(8, 16), norm_num_groups=4)
-FAMILIES = {"ddim": DDIMSamplerConfig(num_steps=5), "flow_sde": FlowSDESamplerConfig(num_steps=5)}
+from tests.helpers import IMAGE_FAMILIES, brightness_batch, make_image_learner
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -20,30 +14,11 @@ def single_rank():
     set_rank_env(free_port())
 
 
-def make_learner(sampler_cfg, objective_cfg, seed=0, **learner_kw):
-    from steadyrl.trainer.learner import DeepSpeedLearner
-
-    torch.manual_seed(seed)
-    sampler = build_sampler(sampler_cfg, SchedulerConfig())
-    cfg = LearnerConfig(lr=1e-3, micro_batch_size=8, inner_epochs=1, **learner_kw)
-    return DeepSpeedLearner(build_class_policy(TINY), sampler, objective_cfg, cfg, seed=seed)
-
-
-def brightness_batch(learner, seed, n_per_class=6):
-    policy = build_class_policy(TINY)
-    policy.load_trainable_state_dict(learner.weights())
-    b = learner.sampler.sample(policy, torch.arange(4), n_per_class, torch.Generator().manual_seed(seed))
-    aux = torch.randn(len(b), generator=torch.Generator().manual_seed(seed + 1))
-    r = b.samples.mean(dim=(1, 2, 3))
-    return b.replace(rewards=torch.stack([r, r + 0.1 * aux], 1), reward_names=["bright", "aux"], reward_key="bright",
-                     features=b.samples.flatten(1))
-
-
-@pytest.mark.parametrize("family", sorted(FAMILIES))
+@pytest.mark.parametrize("family", sorted(IMAGE_FAMILIES))
 def test_the_same_learner_update_trains_both_image_families(family):
     from steadyrl.trainer.objectives.grpo import GRPOSettings
 
-    learner = make_learner(FAMILIES[family], GRPOSettings(eps_clip=0.2), optim_batch_size=16)
+    learner = make_image_learner(IMAGE_FAMILIES[family], GRPOSettings(eps_clip=0.2), optim_batch_size=16)
     start = float(brightness_batch(learner, 100).samples.mean())
     for i in range(4):
         m = learner.update(brightness_batch(learner, i))
@@ -57,14 +32,14 @@ def test_objective_state_and_reference_survive_save_and_load(tmp_path):
     from steadyrl.trainer.objectives.gardo import GARDOPaperSettings
 
     cfg = GARDOPaperSettings(kl_coef=0.1, ref_reset_every=2, train_min_std=0.05)
-    learner = make_learner(FAMILIES["ddim"], cfg)
+    learner = make_image_learner(IMAGE_FAMILIES["ddim"], cfg)
     for i in range(3):
         learner.update(brightness_batch(learner, i))
     learner.save(tmp_path)
     state = learner.objective.state_dict()
     assert state and all(torch.is_tensor(v) for v in state.values())
     ref = {k: v.clone() for k, v in learner.reference.state_dict().items()}
-    fresh = make_learner(FAMILIES["ddim"], cfg, seed=1)
+    fresh = make_image_learner(IMAGE_FAMILIES["ddim"], cfg, seed=1)
     assert fresh.objective.state_dict().keys() != state.keys() or any(
         not torch.equal(fresh.objective.state_dict()[k], v) for k, v in state.items())
     fresh.load(tmp_path)
@@ -82,6 +57,6 @@ def test_a_checkpoint_from_another_objective_is_refused(tmp_path):
     from steadyrl.trainer.objectives.grpo import GRPOSettings
     from steadyrl.trainer.objectives.stabledrl_paper import StableDRLPaperSettings
 
-    make_learner(FAMILIES["ddim"], GRPOSettings()).save(tmp_path)
+    make_image_learner(IMAGE_FAMILIES["ddim"], GRPOSettings()).save(tmp_path)
     with pytest.raises(ValueError, match="objective 'grpo'"):
-        make_learner(FAMILIES["ddim"], StableDRLPaperSettings()).load(tmp_path)
+        make_image_learner(IMAGE_FAMILIES["ddim"], StableDRLPaperSettings()).load(tmp_path)

@@ -7,28 +7,10 @@ import math
 import pytest
 import torch
 
-from steadyrl.rollout.arith import TOKENIZER, ArithTask
-from steadyrl.rollout.config import MaskedDiffusionSamplerConfig
+from steadyrl.rollout.arith import ArithTask
 from steadyrl.rollout.likelihood import draw_masks, estimate, token_log_probs
-from steadyrl.rollout.masked_diffusion import MaskedDiffusionSampler, transfer_schedule
-from steadyrl.rollout.masked_lm import MaskedLMConfig, build_masked_lm
-
-TINY = MaskedLMConfig(hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64, max_positions=32)
-MASK = TOKENIZER.mask_token_id
-
-
-def tiny_lm(seed: int = 0, dtype=torch.float64):
-    torch.manual_seed(seed)
-    return build_masked_lm(TINY, len(TOKENIZER)).to(dtype).eval()
-
-
-def prompts(n: int, seed: int = 0) -> torch.Tensor:
-    task = ArithTask()
-    return task.encode_prompts(task.problems(seed, range(n)))
-
-
-def sampler(**kw) -> MaskedDiffusionSampler:
-    return MaskedDiffusionSampler(MaskedDiffusionSamplerConfig(**kw), MASK)
+from steadyrl.rollout.masked_diffusion import transfer_schedule
+from tests.helpers import MASK, arith_prompts, masked_sampler, tiny_lm
 
 
 class Recorder(torch.nn.Module):
@@ -51,16 +33,16 @@ def test_transfer_schedule_spreads_the_remainder_over_the_first_steps():
 
 
 def test_greedy_decoding_is_deterministic_and_fills_every_position():
-    model, s = tiny_lm(), sampler(temperature=0.0, gen_length=4, num_steps=4)
-    a = s.generate(model, prompts(6), torch.Generator().manual_seed(0))
-    b = s.generate(model, prompts(6), torch.Generator().manual_seed(123))
+    model, s = tiny_lm(), masked_sampler(temperature=0.0, gen_length=4, num_steps=4)
+    a = s.generate(model, arith_prompts(6), torch.Generator().manual_seed(0))
+    b = s.generate(model, arith_prompts(6), torch.Generator().manual_seed(123))
     assert torch.equal(a, b) and not (a == MASK).any()
 
 
 def test_greedy_step_commits_the_most_confident_position_first():
     """One token per step: the first committed token is the argmax over positions of max-softmax."""
-    model, s = tiny_lm(1), sampler(temperature=0.0, gen_length=4, num_steps=4)
-    p = prompts(3)
+    model, s = tiny_lm(1), masked_sampler(temperature=0.0, gen_length=4, num_steps=4)
+    p = arith_prompts(3)
     x = torch.cat([p, torch.full((3, 4), MASK)], 1)
     logits = model(x).logits[:, p.shape[1]:].clone()
     logits[..., MASK] = -math.inf
@@ -74,10 +56,10 @@ def test_greedy_step_commits_the_most_confident_position_first():
 
 
 def test_blocks_decode_left_to_right():
-    model, s = tiny_lm(), sampler(temperature=1.0, gen_length=4, block_length=2, num_steps=4)
+    model, s = tiny_lm(), masked_sampler(temperature=1.0, gen_length=4, block_length=2, num_steps=4)
     rec = Recorder(model)
-    s.generate(rec, prompts(5), torch.Generator().manual_seed(0))
-    P = prompts(5).shape[1]
+    s.generate(rec, arith_prompts(5), torch.Generator().manual_seed(0))
+    P = arith_prompts(5).shape[1]
     assert len(rec.inputs) == 4
     for step, x in enumerate(rec.inputs):
         comp = x[:, P:]
@@ -89,21 +71,23 @@ def test_blocks_decode_left_to_right():
 
 def test_random_remasking_and_guidance_run_the_same_loop():
     model = tiny_lm()
-    out = sampler(remasking="random", gen_length=4, num_steps=2).generate(model, prompts(4), torch.Generator().manual_seed(0))
+    out = masked_sampler(remasking="random", gen_length=4, num_steps=2).generate(model, arith_prompts(4),
+                                                                                 torch.Generator().manual_seed(0))
     assert out.shape == (4, 4) and not (out == MASK).any()
     rec = Recorder(model)
-    sampler(cfg_scale=1.5, gen_length=4, num_steps=1, temperature=0.0).generate(rec, prompts(4))
+    masked_sampler(cfg_scale=1.5, gen_length=4, num_steps=1, temperature=0.0).generate(rec, arith_prompts(4))
     (x,) = rec.inputs
-    P = prompts(4).shape[1]
-    assert x.shape[0] == 8 and (x[4:, :P] == MASK).all() and torch.equal(x[:4, :P], prompts(4))
+    P = arith_prompts(4).shape[1]
+    assert x.shape[0] == 8 and (x[4:, :P] == MASK).all() and torch.equal(x[:4, :P], arith_prompts(4))
 
 
 @pytest.mark.parametrize("estimator", ["elbo", "coupled", "one_step"])
 def test_float64_recompute_equals_the_rollout_for_any_batch_split(estimator):
-    """DESIGN §3 (a): recomputed log-probs equal the stored ones to 1e-9 for batch sizes 1, 3, 16."""
+    """The ratio invariant: in float64 the learner's recompute of each MC sample's log-likelihood estimate, with
+    the rollout's stored masks, equals the rollout's stored value to 1e-9 for micro-batches of 1, 3 and 16."""
     model = tiny_lm()
-    s = sampler(estimator=estimator, mc_samples=3, gen_length=4, num_steps=4)
-    batch = s.sample(model, prompts(4), 4, torch.Generator().manual_seed(0))
+    s = masked_sampler(estimator=estimator, mc_samples=3, gen_length=4, num_steps=4)
+    batch = s.sample(model, arith_prompts(4), 4, torch.Generator().manual_seed(0))
     assert batch.old_logp.shape == (16, 3)
     for size in (1, 3, 16):
         for mb in batch.split(size):
@@ -126,7 +110,8 @@ def test_masks_follow_their_estimator():
 def test_elbo_estimator_is_unbiased_for_the_enumerated_elbo():
     """E[(L/l) sum_{i in M} log p] equals the ELBO summed exactly over every mask (L = 3: 7 masks)."""
     model = tiny_lm(2)
-    p, y = prompts(2), ArithTask(gen_length=3, digits=1).encode_completions(ArithTask(digits=1, gen_length=3).problems(0, range(2)))
+    task = ArithTask(digits=1, gen_length=3)
+    p, y = arith_prompts(2), task.encode_completions(task.problems(0, range(2)))
     L = y.shape[1]
     exact = torch.zeros(2, dtype=torch.float64)
     for l in range(1, L + 1):
@@ -147,7 +132,7 @@ def test_elbo_estimator_is_unbiased_for_the_enumerated_elbo():
 
 def test_coupled_pairs_mask_every_token_exactly_once():
     model = tiny_lm()
-    p = prompts(3)
+    p = arith_prompts(3)
     y = torch.randint(3, 13, (3, 4))
     masks = draw_masks("coupled", 3, 1, 4, p.shape[1], 0.0, torch.Generator().manual_seed(0))
     m = masks.completion[:, 0]
@@ -163,8 +148,8 @@ def test_coupled_pairs_mask_every_token_exactly_once():
 
 def test_independent_masks_are_redrawn_for_the_new_policy_and_kept_for_the_old():
     model = tiny_lm()
-    s = sampler(masks="independent", mc_samples=2, gen_length=4, num_steps=4)
-    batch = s.sample(model, prompts(4), 4, torch.Generator().manual_seed(0))
+    s = masked_sampler(masks="independent", mc_samples=2, gen_length=4, num_steps=4)
+    batch = s.sample(model, arith_prompts(4), 4, torch.Generator().manual_seed(0))
     fresh = s.with_fresh_masks(batch, torch.Generator().manual_seed(5))
     assert torch.equal(fresh.samples, batch.samples) and torch.equal(fresh.old_logp, batch.old_logp)
     assert not torch.equal(fresh.extras["mc_masks"], batch.extras["mc_masks"])
@@ -175,7 +160,7 @@ def test_independent_masks_are_redrawn_for_the_new_policy_and_kept_for_the_old()
 def test_k3_kl_is_zero_on_equal_likelihoods_and_positive_otherwise():
     from steadyrl.rollout.sampler import StepLogProb
 
-    s = sampler()
+    s = masked_sampler()
     new = StepLogProb(torch.tensor([-2.0, -3.0, -1.0], dtype=torch.float64), None, None)
     ref = StepLogProb(torch.tensor([-2.0, -2.5, -4.0], dtype=torch.float64), None, None)
     kl = s.kl(new, ref)

@@ -8,11 +8,11 @@ import math
 import pytest
 import torch
 
-from test_learner import TINY, tiny_learner
 from steadyrl.rollout.batch import POLICY_VERSION
 from steadyrl.rollout.models import build_class_policy
 from steadyrl.trainer.config import LearnerConfig
 from steadyrl.trainer.off_policy import behaviour_weight
+from tests.helpers import TINY_UNET, tiny_learner
 
 CAP = 2.0
 
@@ -27,7 +27,7 @@ def learner():
 def _batch(learner, version: int | None, behaviour_shift: float = 0.0, seed: int = 0):
     """A scored batch sampled with the learner's weights, labelled as policy `version`, whose recorded
     (behaviour) log-probs are lowered by `behaviour_shift` at every stochastic step."""
-    policy = build_class_policy(TINY)
+    policy = build_class_policy(TINY_UNET)
     policy.load_trainable_state_dict(learner.weights())
     b = learner.sampler.sample(policy, torch.arange(4), 6, torch.Generator().manual_seed(seed))
     b = b.replace(rewards=b.samples.mean(dim=(1, 2, 3))[:, None], reward_names=["r"], reward_key="r",

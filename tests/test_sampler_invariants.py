@@ -1,5 +1,6 @@
-"""The ratio invariant of DESIGN §3(a), for every image sampler: in float64 the learner's recompute of a
-stored transition's log-prob equals the rollout's to 1e-9, for any batch size and micro-batch split."""
+"""The ratio invariant, for every image sampler: with the rollout's own weights the importance ratio of every
+stored transition is exactly 1, i.e. in float64 the learner's recompute of a stored transition's log-prob equals
+the rollout's to 1e-9, for any batch size and micro-batch split."""
 from __future__ import annotations
 
 import pytest

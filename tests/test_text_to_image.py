@@ -25,13 +25,17 @@ def pipelines(tmp_path_factory) -> dict[str, Path]:
             "sd3": save_tiny_sd3_pipeline(root / "sd3"), "flux": save_tiny_flux_pipeline(root / "flux")}
 
 
-def t2i_config(path: Path, family: str, *extra: str):
+def t2i_overrides(path: Path, family: str, *extra: str) -> list[str]:
     sampler = ["sampler.kind=flow_sde", "sampler.shift=3.0"] if family in FLOW else ["sampler.kind=ddim"]
     if family == "flux":
         sampler.append("text_to_image.max_sequence_length=16")
-    return load_config(None, ["testbed=text_to_image", f"text_to_image.pretrained={path}",
-                              "text_to_image.prompts.train=tiny", "text_to_image.prompts.prompts_per_step=2",
-                              "sampler.num_steps=4", "sampler.samples_per_class=3", *sampler, *extra])
+    return ["testbed=text_to_image", f"text_to_image.pretrained={path}", "text_to_image.prompts.train=tiny",
+            "text_to_image.prompts.prompts_per_step=2", "sampler.num_steps=4", "sampler.samples_per_class=3",
+            *sampler, *extra]
+
+
+def t2i_config(path: Path, family: str, *extra: str):
+    return load_config(None, t2i_overrides(path, family, *extra))
 
 
 def t2i_policy(pipelines, family, *extra):
@@ -202,18 +206,68 @@ def test_bf16_autocast_keeps_the_sampler_float32_and_its_recompute_close(pipelin
     assert 0 < float((mixed - full).abs().max()) < 0.1  # the network really ran in bf16
 
 
-def test_a_flux_lora_policy_trains_in_process_with_only_its_adapters_synced(pipelines):
+def test_a_flux_lora_policy_trains_in_process_with_only_its_adapters_synced(pipelines, tmp_path):
     """FLUX (packed latents, distilled guidance, the dynamically shifted flow grid) through the same learner:
-    two steps in one process; each sync is the adapters; the recompute of the rollout's log-probs agrees."""
-    from benchmarks.inprocess import run_in_process
-    from steadyrl.services.runtime import free_port
+    two steps of the product loop in one process (the local runtime); each sync is the adapters; the recompute
+    of the rollout's log-probs agrees."""
+    from tests.helpers import train_local
 
-    cfg = t2i_config(pipelines["flux"], "flux", "run.steps=2", "learner.micro_batch_size=6",
-                     "objective.train_min_std=0.0", "text_to_image.guidance_scale=3.5")
-    out = run_in_process(cfg, free_port(), eval_every=10**9)
+    result, rows = train_local(None, tmp_path / "run", t2i_overrides(
+        pipelines["flux"], "flux", "run.steps=2", "learner.micro_batch_size=6", "objective.train_min_std=0.0",
+        "text_to_image.guidance_scale=3.5", "run.eval_samples_per_class=1"))
     tb, policy = t2i_policy(pipelines, "flux")
     adapters = policy.trainable_state_dict()
-    assert out["stopped_at"] is None and len(out["rows"]) == 2
-    assert all(r["sync_bytes"] == sum(v.numel() * v.element_size() for v in adapters.values()) for r in out["rows"])
-    assert max(r["logp_absdiff_max"] for r in out["rows"]) < 1e-4
-    assert all(r["policy/grad_norm"] > 0 for r in out["rows"])
+    assert result.steps_done == 2 and len(rows) == 2
+    assert all(r["sync/bytes"] == sum(v.numel() * v.element_size() for v in adapters.values()) for r in rows)
+    assert max(r["policy/rollout_logp_absdiff_max"] for r in rows) < 1e-4
+    # what each update does to the adapters: the next test (the exact policy gradient of the first step)
+
+
+def test_a_flux_lora_learner_step_follows_the_exact_policy_gradient(pipelines):
+    """On-policy (rho = 1, inside the clip range) the first optimiser step of GRPO has the gradient
+    -(1/n_terms) sum_i A_i sum_t grad log pi(x_{t-1}|x_t) over every trained (sample, step) term, A_i the
+    group-normalised reward (population std). The learner (LoRA adapters on FLUX, its micro-batching and per-step
+    back-propagation) hands its optimiser exactly that gradient: computed here in one graph on a copy of the policy,
+    with the advantages written out from the rewards."""
+    import copy
+
+    from steadyrl.services.builders import build_learner
+    from steadyrl.services.runtime import free_port, set_rank_env
+
+    extra = ("text_to_image.guidance_scale=3.5", "objective.train_min_std=0.0", "objective.timestep_fraction=1.0",
+             "learner.inner_epochs=1", "learner.micro_batch_size=6", "learner.grad_clip=1e9")
+    cfg = t2i_config(pipelines["flux"], "flux", *extra)
+    tb, policy = t2i_policy(pipelines, "flux", *extra)
+    sampler = tb.build_sampler()
+    prompts, offset = tb.train_prompts(0, 1, 0)
+    batch = tb.sample(sampler, policy, prompts, 3, torch.Generator().manual_seed(0), group_offset=offset)
+    assert len(batch) == 6 and len(batch.group.unique()) == 2  # 2 prompts x 3 samples
+    rewards = torch.tensor([1.0, 0.0, -2.0, 0.5, 3.0, 0.5])
+    batch = batch.replace(rewards=rewards[:, None], reward_names=["r"], reward_key="r")
+
+    adv = torch.zeros(len(batch))
+    for g in batch.group.unique().tolist():
+        idx = (batch.group == g).nonzero().flatten()
+        r = rewards[idx].double().numpy()
+        adv[idx] = torch.tensor((r - r.mean()) / (r.std() + cfg.objective.eps_std), dtype=torch.float32)
+    steps = sampler.train_steps(0.0).tolist()
+    reference = copy.deepcopy(policy).train()
+    params = [p for p in reference.parameters() if p.requires_grad]
+    logp = torch.stack([sampler.log_prob(reference, batch, t).logp for t in steps], 1)  # [B, T]
+    loss = -(adv[:, None] * logp).sum() / (len(batch) * len(steps))
+    want = torch.autograd.grad(loss, params)
+
+    set_rank_env(free_port())
+    learner = build_learner(cfg, copy.deepcopy(policy).train(), tb.build_sampler())
+    seen: list[list[torch.Tensor]] = []
+    learner.engine.optimizer.register_step_pre_hook(
+        lambda opt, args, kwargs: seen.append([p.grad.detach().clone() for g in opt.param_groups for p in g["params"]]))
+    m = learner.update(batch)
+    assert m["policy/optimizer_steps"] == 1 and len(seen) == 1
+    got = seen[0]
+    assert [g.shape for g in got] == [w.shape for w in want]
+    scale = max(float(w.abs().max()) for w in want)
+    assert scale > 0  # LoRA starts at B = 0: A's gradient is exactly 0, B's is not
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-5 * scale)
+    assert learner._pre_clip_norm == pytest.approx(float(torch.cat([w.flatten() for w in want]).norm()), rel=1e-4)

@@ -11,12 +11,11 @@ import threading
 
 import torch
 
-from conftest import SMOKE_SHORT, computed_metrics
-from test_fault_tolerance import _in_thread, _pid, _steps_logged, _wait_for
 from steadyrl.services.controller import ACTORS_FILE
 from steadyrl.services.report import read_metrics
 from steadyrl.services.runtime import free_port
 from steadyrl.trainer.weight_broadcast import WeightBroadcastGroup
+from tests.helpers import SMOKE_SHORT, actor_pid, computed_metrics, steps_logged, train_in_thread, wait_for
 
 
 def test_broadcast_delivers_every_tensor_of_every_dtype_bitwise():
@@ -47,9 +46,9 @@ def test_broadcast_delivers_every_tensor_of_every_dtype_bitwise():
 def test_a_collectively_synced_run_equals_the_object_store_run_even_across_a_worker_restart(smoke_straight,
                                                                                             digits_app, tmp_path):
     run = tmp_path / "collective"
-    thread, out = _in_thread(run, [*SMOKE_SHORT, "ray.weight_sync=collective"])
-    _wait_for(lambda: _steps_logged(run) >= 2, "step 2")
-    os.kill(_pid(run, "rollout_0"), signal.SIGKILL)
+    thread, out = train_in_thread(run, [*SMOKE_SHORT, "ray.weight_sync=collective"])
+    wait_for(lambda: steps_logged(run) >= 2, "step 2")
+    os.kill(actor_pid(run, "rollout_0"), signal.SIGKILL)
     thread.join(timeout=600)
     assert "error" not in out, out.get("error")
     rows = read_metrics(run)

@@ -86,7 +86,7 @@ class Testbed(ABC):
 
     @abstractmethod
     def reward_spec(self) -> Any:
-        """What `services.reward_app.build_reward_app` deploys (the testbed's reward models)."""
+        """What `services.serving.app.build_reward_app` deploys (the testbed's reward models)."""
 
     @property
     @abstractmethod
@@ -95,7 +95,7 @@ class Testbed(ABC):
 
     def rollout_summary(self, batch: RolloutBatch, scores: EnsembleScores) -> dict[str, float]:
         """Scalars of one rollout batch (sample-weighted across workers by the controller)."""
-        from steadyrl.reward.diversity import nearest_neighbour_distance
+        from steadyrl.reward.diversity import mean_pairwise_distance, nearest_neighbour_distance
 
         gold_score, gold_headline = self.held_out(scores)
         out = {
@@ -107,6 +107,8 @@ class Testbed(ABC):
             "reward/gold_accuracy": float(gold_headline.mean()),
             "diversity/nn_distance": (0.0 if scores.features is None else
                                       float(nearest_neighbour_distance(scores.features, batch.group).mean())),
+            "diversity/pairwise_distance": (0.0 if scores.features is None else
+                                            mean_pairwise_distance(scores.features, batch.group)),
         }
         for name, col in zip(scores.names, scores.scores.T):
             out[f"reward/{name}"] = float(col.mean())

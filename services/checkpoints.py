@@ -1,0 +1,69 @@
+"""A run folder's checkpoints (`checkpoints/step_N`, the `latest` pointer) and the failure that points to them.
+
+Each checkpoint is written in a temp folder and renamed into place, then `latest` moves: a crash at any
+moment leaves the previous checkpoint whole.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Iterator
+
+from steadyrl.rollout.cache import write_text_atomically
+
+CHECKPOINTS = "checkpoints"
+CONTROLLER_STATE = "controller.json"
+
+
+class RunFailed(RuntimeError):
+    """A failure the run cannot recover from (a learner rank died, a worker past its retries); the message names
+    the component, the step, and how to resume from the last checkpoint."""
+
+
+def latest_checkpoint(run_dir: Path) -> Path | None:
+    pointer = Path(run_dir) / CHECKPOINTS / "latest"
+    if not pointer.exists():
+        return None
+    path = Path(run_dir) / CHECKPOINTS / pointer.read_text().strip()
+    return path if path.exists() else None
+
+
+def latest_state(run_dir: Path) -> tuple[Path, dict[str, Any]]:
+    """The latest checkpoint's folder and its controller state (step, evaluations, rollouts in flight)."""
+    ckpt = latest_checkpoint(run_dir)
+    if ckpt is None:
+        raise FileNotFoundError(f"no checkpoint to resume from in {Path(run_dir) / CHECKPOINTS}")
+    return ckpt, json.loads((ckpt / CONTROLLER_STATE).read_text())
+
+
+@contextmanager
+def new_checkpoint(run_dir: Path, step: int) -> Iterator[Path]:
+    """Yields an empty temp folder to fill; on success it becomes checkpoints/step_N and `latest` points to it."""
+    root = Path(run_dir) / CHECKPOINTS
+    final, tmp = root / f"step_{step}", root / f".step_{step}.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        yield tmp
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    shutil.rmtree(final, ignore_errors=True)
+    os.rename(tmp, final)
+    write_text_atomically(root / "latest", final.name)
+
+
+def resume_hint(run_dir: Path) -> str:
+    """'; the last checkpoint, ..., is intact: resume with `steadyrl train --resume RUN`' (or: none yet)."""
+    ckpt = latest_checkpoint(run_dir)
+    if ckpt is None:
+        return "; no checkpoint was written yet"
+    return f"; the last checkpoint, {ckpt}, is intact: resume with `steadyrl train --resume {run_dir}`"
+
+
+def rollout_weights_file(version: int) -> str:
+    """A checkpoint's file of the weights in-flight rollouts were launched with."""
+    return f"rollout_policy_v{version}.safetensors"

@@ -1,0 +1,33 @@
+"""A process's environment as a DeepSpeed rank, its torch threads, and free ports (no Ray: the local runtime
+uses them too)."""
+from __future__ import annotations
+
+import os
+import socket
+
+from steadyrl.rollout.cache import torch_extensions_dir
+from steadyrl.services.config import TrainConfig
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port free on `host` ("" = every interface, as a rendezvous other nodes connect to needs)."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def set_rank_env(master_port: int, rank: int = 0, world_size: int = 1, master_addr: str = "127.0.0.1") -> None:
+    """The environment one DeepSpeed rank of this process needs (gloo on CPU), and the cached compiled ops."""
+    os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(torch_extensions_dir()))
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), MASTER_ADDR=master_addr,
+                      MASTER_PORT=str(master_port))
+
+
+def torch_threads(cfg: TrainConfig, cores: int | None = None) -> int:
+    """ray.torch_threads, else every core of the node when the phases run one after another, and half of them
+    under pipelining (learner.max_staleness > 0), where rollout and learner compute at the same time: two
+    processes with a thread per core each oversubscribe the node (on 2 cores both ran 2-7x slower)."""
+    if cfg.ray.torch_threads:
+        return cfg.ray.torch_threads
+    cores = cores or os.cpu_count() or 1
+    return max(1, cores // 2) if cfg.learner.max_staleness > 0 else cores

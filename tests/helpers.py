@@ -1,0 +1,165 @@
+"""Helpers shared by several test modules: import them as `from tests.helpers import ...`.
+
+Fixtures stay in conftest.py; the tiny diffusers/CLIP builders are in tests/tiny_models.py. Everything that
+needs Ray, Serve or the controller is imported inside the function using it, so that importing this module
+stays cheap for the tests that run without Ray.
+"""
+from __future__ import annotations
+
+import json
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from steadyrl.rollout.arith import TOKENIZER, ArithTask
+from steadyrl.rollout.config import (DDIMSamplerConfig, FlowSDESamplerConfig, MaskedDiffusionSamplerConfig,
+                                     SchedulerConfig, UNetConfig)
+from steadyrl.rollout.masked_lm import MaskedLMConfig
+from steadyrl.trainer.config import LearnerConfig
+
+# ------------------------------------------------------------------------------- runs of the real services
+# The short smoke run that the resume, fault-tolerance and weight-sync tests each compare their run with.
+SMOKE_SHORT = ["run.steps=6", "run.checkpoint_every=3", "run.eval_every=3", "run.eval_samples_per_class=2",
+               "sampler.samples_per_class=4", "run.progress=false"]
+VOLATILE_METRICS = ("timing_s/", "perf/", "faults/")  # wall-clock figures and fault counters
+
+
+def computed_metrics(rows: list[dict]) -> list[dict]:
+    """A run's metrics rows without the keys two runs of the same computation may differ in."""
+    return [{k: v for k, v in r.items() if not k.startswith(VOLATILE_METRICS)} for r in rows]
+
+
+def ensure_digits_app() -> None:
+    """The default digits reward ensemble deployed (again, if a run or test replaced it). Digits runs find it
+    serving their ensemble and use it instead of deploying their own (~30 s each on 2 cores)."""
+    from steadyrl.reward.config import RewardConfig
+    from steadyrl.services.serving import deploy_reward_app
+
+    deploy_reward_app(RewardConfig(), reuse=True)
+
+
+def train_local(config: Path, run_dir: Path, overrides: list[str] = ()) -> tuple[Any, list[dict]]:
+    """`steadyrl train --local`: the product loop in this process (no Ray, no Serve); (RunResult, metrics rows)."""
+    from steadyrl.services.controller import train
+    from steadyrl.services.report import read_metrics
+
+    result = train(config, [f"run.run_dir={run_dir}", "run.runtime=local", "run.progress=false", *overrides])
+    return result, read_metrics(result.run_dir)
+
+
+def wait_for(condition: Callable[[], bool], what: str, timeout_s: float = 300) -> None:
+    """Poll `condition` every 50 ms; fail the test naming `what` after `timeout_s`."""
+    deadline = time.time() + timeout_s
+    while not condition():
+        assert time.time() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+def steps_logged(run: Path) -> int:
+    """Training steps a run has written to its metrics.jsonl so far."""
+    path = run / "metrics.jsonl"
+    return len(path.read_text().splitlines()) if path.exists() else 0
+
+
+def actor_pid(run: Path, actor: str) -> int:
+    """The process id of a run's actor (`rollout_0`, `learner_0`, ...), from the run's actors file."""
+    from steadyrl.services.controller import ACTORS_FILE
+
+    return int(json.loads((run / ACTORS_FILE).read_text())["actors"][actor]["pid"])
+
+
+def train_in_thread(run: Path, overrides: list[str], config: Path | None = None
+                    ) -> tuple[threading.Thread, dict[str, Any]]:
+    """train() (configs/smoke.yaml unless `config`) on a thread of this process (the test's driver), so the main
+    thread can kill its actors. The returned dict gets `result` or `error` when the run ends."""
+    from steadyrl.services.config import CONFIG_DIR
+    from steadyrl.services.controller import train
+
+    config = CONFIG_DIR / "smoke.yaml" if config is None else config
+    out: dict[str, Any] = {}
+
+    def target() -> None:
+        try:
+            out["result"] = train(config, [f"run.run_dir={run}", *overrides])
+        except BaseException as err:  # noqa: BLE001 - handed to the test
+            out["error"] = err
+
+    thread = threading.Thread(target=target, daemon=True)
+    thread.start()
+    return thread, out
+
+
+# ------------------------------------------------------------------------------- tiny image learners
+TINY_UNET = UNetConfig(block_out_channels=(8, 16), norm_num_groups=4)
+IMAGE_FAMILIES = {"ddim": DDIMSamplerConfig(num_steps=5), "flow_sde": FlowSDESamplerConfig(num_steps=5)}
+
+
+def tiny_learner(cfg: LearnerConfig):
+    """A DeepSpeed learner (gloo, this process, a fresh port) on the tiny class-conditional UNet, 5 DDIM steps,
+    GRPO with eps_clip 0.2."""
+    from steadyrl.rollout.ddim import DDIMLogProbSampler
+    from steadyrl.rollout.models import build_class_policy, build_scheduler
+    from steadyrl.services.runtime import free_port, set_rank_env
+    from steadyrl.trainer.learner import DeepSpeedLearner
+    from steadyrl.trainer.objectives.grpo import GRPOSettings
+
+    set_rank_env(free_port())
+    torch.manual_seed(0)
+    sampler = DDIMLogProbSampler(DDIMSamplerConfig(num_steps=5), build_scheduler(SchedulerConfig()))
+    return DeepSpeedLearner(build_class_policy(TINY_UNET), sampler, GRPOSettings(eps_clip=0.2), cfg, seed=0)
+
+
+def make_image_learner(sampler_cfg, objective_cfg, seed: int = 0, **learner_kw):
+    """A DeepSpeed learner on the tiny UNet with any image sampler and objective (lr 1e-3, micro-batches of 8,
+    one inner epoch unless `learner_kw` says otherwise). The caller sets the rank environment."""
+    from steadyrl.rollout.models import build_class_policy
+    from steadyrl.rollout.samplers import build_sampler
+    from steadyrl.trainer.learner import DeepSpeedLearner
+
+    torch.manual_seed(seed)
+    sampler = build_sampler(sampler_cfg, SchedulerConfig())
+    cfg = LearnerConfig(**{"lr": 1e-3, "micro_batch_size": 8, "inner_epochs": 1, **learner_kw})
+    return DeepSpeedLearner(build_class_policy(TINY_UNET), sampler, objective_cfg, cfg, seed=seed)
+
+
+def brightness_batch(learner, seed: int, n_per_class: int = 6):
+    """A batch sampled with the learner's current weights (classes 0-3), rewarded by mean brightness
+    (`bright`, the trained reward) plus a noisy second reward `aux`; features are the flat samples."""
+    from steadyrl.rollout.models import build_class_policy
+
+    policy = build_class_policy(TINY_UNET)
+    policy.load_trainable_state_dict(learner.weights())
+    b = learner.sampler.sample(policy, torch.arange(4), n_per_class, torch.Generator().manual_seed(seed))
+    aux = torch.randn(len(b), generator=torch.Generator().manual_seed(seed + 1))
+    r = b.samples.mean(dim=(1, 2, 3))
+    return b.replace(rewards=torch.stack([r, r + 0.1 * aux], 1), reward_names=["bright", "aux"], reward_key="bright",
+                     features=b.samples.flatten(1))
+
+
+# ------------------------------------------------------------------------------- tiny masked-diffusion LM
+TINY_MLM = MaskedLMConfig(hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64, max_positions=32)
+MASK = TOKENIZER.mask_token_id
+
+
+def tiny_lm(seed: int = 0, dtype=torch.float64):
+    """A tiny random BERT masked LM over the arith character tokenizer (float64 by default), in eval mode."""
+    from steadyrl.rollout.masked_lm import build_masked_lm
+
+    torch.manual_seed(seed)
+    return build_masked_lm(TINY_MLM, len(TOKENIZER)).to(dtype).eval()
+
+
+def arith_prompts(n: int, seed: int = 0) -> torch.Tensor:
+    """The encoded prompts of `n` addition problems of the default ArithTask, problem seed `seed`."""
+    task = ArithTask()
+    return task.encode_prompts(task.problems(seed, range(n)))
+
+
+def masked_sampler(**kw):
+    """A masked-diffusion sampler with the arith tokenizer's mask id; `kw` are MaskedDiffusionSamplerConfig fields."""
+    from steadyrl.rollout.masked_diffusion import MaskedDiffusionSampler
+
+    return MaskedDiffusionSampler(MaskedDiffusionSamplerConfig(**kw), MASK)
