@@ -21,6 +21,7 @@ from torch import Tensor
 
 from steadyrl.reward.ensemble import EnsembleScores, RewardEnsemble
 from steadyrl.rollout.numerics import using_threads
+from steadyrl.rollout.policy import trainable_state
 from steadyrl.services.config import TrainConfig
 from steadyrl.services.checkpoints import rollout_weights_file
 from steadyrl.services.learner_rank import LearnerRank
@@ -85,8 +86,9 @@ class LocalRolloutPool:
         self.cfg, self.learner, self.score = cfg, learner, scorer
         self.n_workers = cfg.ray.rollout_workers
         self.rollouts = Rollouts(cfg, base_weights)
-        self.current: tuple[int, dict[str, Tensor] | None] = (0, None)  # (version, its weights; None: the base)
-        self.launches: dict[int, tuple[int, dict[str, Tensor] | None]] = {}
+        self.base = (0, {k: v.clone() for k, v in trainable_state(self.rollouts.policy).items()})
+        self.current = self.base  # (policy version, its trainable tensors) last published
+        self.launches: dict[int, tuple[int, dict[str, Tensor]]] = {}
         self.restarts = self.restarts_this_step = 0  # nothing restarts in one process
 
     def start(self, learner_infos: list[dict[str, Any]]) -> None:
@@ -103,11 +105,11 @@ class LocalRolloutPool:
         self.current = (version, weights)
         return self.rollouts.load(version, weights)
 
-    def _hold(self, version: int, weights: dict[str, Tensor] | None) -> None:
+    def _hold(self, version: int, weights: dict[str, Tensor]) -> None:
         if version != self.rollouts.version:
             self.rollouts.load(version, weights)
 
-    def launch(self, step: int, weights: tuple[int, dict[str, Tensor] | None] | None = None) -> None:
+    def launch(self, step: int, weights: tuple[int, dict[str, Tensor]] | None = None) -> None:
         self.launches[step] = weights or self.current
 
     def collect(self, step: int) -> tuple[list[Any], list[dict[str, float]]]:
@@ -130,7 +132,7 @@ class LocalRolloutPool:
 
     def relaunch(self, in_flight: dict[str, int], directory: Path) -> None:
         for step, version in in_flight.items():
-            weights = (None if version == 0 else self.current[1] if version == self.current[0]
+            weights = (self.base[1] if version == 0 else self.current[1] if version == self.current[0]
                        else load_file(str(directory / rollout_weights_file(version))))
             self.launch(int(step), (version, weights))
 

@@ -10,7 +10,7 @@ from safetensors.torch import load_file
 from steadyrl.services.config import CONFIG_DIR, ConfigError, load_config
 from steadyrl.services.controller import train
 from steadyrl.services.report import read_metrics
-from tests.helpers import SMOKE_SHORT, computed_metrics
+from tests.helpers import SMOKE_SHORT, computed_metrics, train_local
 
 
 def test_local_runtime_gives_the_ray_runs_metrics_evaluations_and_weights_bitwise(smoke_straight, tmp_path):
@@ -33,3 +33,22 @@ def test_local_runtime_gives_the_ray_runs_metrics_evaluations_and_weights_bitwis
 def test_local_runtime_refuses_more_than_one_learner_rank():
     with pytest.raises(ConfigError, match=r"learner.ranks=2: run.runtime=local runs one learner rank"):
         load_config(CONFIG_DIR / "smoke.yaml", ["run.runtime=local", "learner.ranks=2"])
+
+
+def test_a_pipelined_local_run_resumes_to_the_same_run(tmp_path):
+    """learner.max_staleness=1 on the local runtime: the step-1 checkpoint records step 2's rollouts in flight
+    with the base policy (version 0); resuming from it relaunches them with those weights, and the run's metrics
+    equal the straight run's bitwise."""
+    import shutil
+
+    overrides = ["run.steps=3", "run.checkpoint_every=1", "learner.max_staleness=1", "sampler.samples_per_class=4",
+                 "run.eval_samples_per_class=2"]
+    straight, rows = train_local(CONFIG_DIR / "smoke.yaml", tmp_path / "straight", overrides)
+    state = json.loads((straight.run_dir / "checkpoints" / "step_1" / "controller.json").read_text())
+    assert state["pending"] == {"1": 0} and [r["async/staleness_max"] for r in rows] == [0.0, 1.0, 1.0]
+    resumed = tmp_path / "resumed"
+    shutil.copytree(straight.run_dir, resumed)
+    (resumed / "checkpoints" / "latest").write_text("step_1")  # as if it had died after step 1
+    result = train(resume_dir=resumed)
+    assert result.steps_done == 3
+    assert computed_metrics(read_metrics(resumed)) == computed_metrics(rows)
