@@ -101,7 +101,7 @@ class LocalRolloutPool:
         """Nothing restarts in one process: the fault counters stay 0."""
 
     def publish(self, version: int) -> float:
-        weights = {k: v.clone() for k, v in self.learner.weights().items()}
+        weights = self.learner.weights()  # already a CPU copy: later updates do not change it
         self.current = (version, weights)
         return self.rollouts.load(version, weights)
 
