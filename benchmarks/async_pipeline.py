@@ -63,12 +63,12 @@ def main() -> None:
                 "step_s": step_s,
                 "steps_per_s": 1 / step_s,
                 "phase_s": {p: statistics.mean(r[f"timing_s/{p}"] for r in body) for p in PHASES},
-                "gold_accuracy": {str(e["step"]): e["gold_accuracy"] for e in json.loads(
+                "held_out": {str(e["step"]): e["held_out"] for e in json.loads(
                     (run.run_dir / "evals.json").read_text())},
                 "train_reward_last10": statistics.mean(r["reward/train_mean"] for r in rows[-10:]),
             }
             curves[mode] = ([r["step"] for r in rows], [r["reward/train_mean"] for r in rows],
-                            result["modes"][mode]["gold_accuracy"])
+                            result["modes"][mode]["held_out"])
     result["async_over_sync_steps_per_s"] = (result["modes"]["async"]["steps_per_s"]
                                              / result["modes"]["sync"]["steps_per_s"])
     out = Path(args.out)

@@ -15,7 +15,7 @@ advantage (random signs) and sg = stop-gradient, the three forms of the same upd
   (ii)  two-pass   ell_bar from a no-grad pass; then for each j in turn
                    L_j = -mean_i A_i exp(sg(ell_bar_i) + (ell_ij - sg(ell_ij)) / n - old_bar_i),
                    backward, free                       (value of (i), gradient sum_j = gradient of (i);
-                                                         trainer/learner.py `_sequence_step`)
+                                                         trainer/terms.py `SequenceTerms`)
   (iii) BGPO       for each j in turn L_j = -mean_i bgpo_bound(ell_ij - old_ij, A_i) / n, backward, free
                    bgpo_bound(d, A) = A (1 + d) for A >= 0, A exp(d) for A < 0  (trainer/objectives/bgpo.py)
 

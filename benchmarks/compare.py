@@ -28,7 +28,7 @@ def preset(method: str) -> Path:
 
 
 # per-step columns of the tables, from the run's metrics.jsonl
-ROW_KEYS = {"proxy": "reward/train_mean", "gold_accuracy": "reward/gold_accuracy",
+ROW_KEYS = {"proxy": "reward/train_mean", "held_out": "reward/held_out",
             "diversity_nn": "diversity/nn_distance", "diversity_pairwise": "diversity/pairwise_distance",
             "step_s": "timing_s/step", "sync_bytes": "sync/bytes", "logp_absdiff_max": "policy/rollout_logp_absdiff_max"}
 KEPT_PREFIXES = ("policy/", "gardo/", "guard/", "stabledrl/", "bgpo/")
@@ -55,7 +55,7 @@ def one_run(label: str, method: str, seed: int, overrides: list[str], run_dir: P
     evals = [{k: v for k, v in e.items() if k not in ("grid", "examples", "images", "captions")}
              for e in json.loads((result.run_dir / "evals.json").read_text())]
     if stopped is not None:
-        evals = [e for e in evals if e["step"] < stopped] + [{"step": stopped, "gold_accuracy": 0.0,
+        evals = [e for e in evals if e["step"] < stopped] + [{"step": stopped, "held_out": 0.0,
                                                               "nonfinite_weights": True}]
     return {"method": label, "objective": method, "seed": seed, "overrides": overrides,
             "wall_s": time.perf_counter() - t0, "rows": rows, "evals": evals, "stopped_at": stopped}
@@ -84,8 +84,8 @@ def run_all(variants: list[tuple[str, str, list[str]]], seeds: list[int], jobs: 
         for (label, _, seed, _), fut in zip(todo, futures):
             runs.append(fut.result())
             first, last = runs[-1]["evals"][0], runs[-1]["evals"][-1]
-            print(f"[{time.perf_counter() - t0:7.0f}s] {label} seed {seed}: gold {first['gold_accuracy']:.1%} -> "
-                  f"{last['gold_accuracy']:.1%}, proxy {first['proxy_mean']:.3f} -> {last.get('proxy_mean', 0):.3f}, "
+            print(f"[{time.perf_counter() - t0:7.0f}s] {label} seed {seed}: gold {first['held_out']:.1%} -> "
+                  f"{last['held_out']:.1%}, proxy {first['proxy_mean']:.3f} -> {last.get('proxy_mean', 0):.3f}, "
                   f"nn diversity {first['diversity_nn']:.2f} -> {last.get('diversity_nn', 0):.2f}", flush=True)
     return runs
 
@@ -104,7 +104,7 @@ def write_results(runs: list[dict[str, Any]], setting: str, out: Path, extra: di
 
 def summarise(runs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     """Per method: final eval (mean, std over seeds) and change from the base model (step-0 eval)."""
-    keys = ("gold_accuracy", "proxy_mean", "diversity_nn", "diversity_pairwise")
+    keys = ("held_out", "proxy_mean", "diversity_nn", "diversity_pairwise")
     out: dict[str, dict[str, Any]] = {}
     for method in dict.fromkeys(r["method"] for r in runs):
         mine = [r for r in runs if r["method"] == method]
@@ -130,14 +130,14 @@ def markdown_table(summary: dict[str, dict[str, Any]], base: dict[str, float], s
         return f"{v[0]:+.1%}" if pct else f"{v[0]:+.2f}"
 
     lines = [f"Setting: {setting}", "",
-             f"Base model: gold {base['gold_accuracy']:.1%}, proxy {base['proxy_mean']:.3f}, "
+             f"Base model: gold {base['held_out']:.1%}, proxy {base['proxy_mean']:.3f}, "
              f"diversity nn {base['diversity_nn']:.2f}, pairwise {base['diversity_pairwise']:.2f}", "",
              "| method | gold acc. (Δ) | proxy (Δ) | diversity nn (Δ) | diversity pairwise (Δ) | mean ratio std "
              "| max ratio | s/step |",
              "|---|---|---|---|---|---|---|---|"]
     for m, e in summary.items():
         lines.append(
-            f"| {m} | {pm(e['gold_accuracy'], True)} ({delta(e['delta_gold_accuracy'], True)}) "
+            f"| {m} | {pm(e['held_out'], True)} ({delta(e['delta_held_out'], True)}) "
             f"| {pm(e['proxy_mean'])} ({delta(e['delta_proxy_mean'])}) "
             f"| {pm(e['diversity_nn'])} ({delta(e['delta_diversity_nn'])}) "
             f"| {pm(e['diversity_pairwise'])} ({delta(e['delta_diversity_pairwise'])}) "
@@ -152,7 +152,7 @@ def plot(runs: list[dict[str, Any]], path: Path) -> None:
     import matplotlib.pyplot as plt
     import numpy as np
 
-    panels = [("proxy", "proxy reward (train batch)"), ("gold_accuracy", "gold accuracy (train batch)"),
+    panels = [("proxy", "proxy reward (train batch)"), ("held_out", "gold accuracy (train batch)"),
               ("diversity_nn", "diversity: nearest-neighbour"), ("diversity_pairwise", "diversity: pairwise")]
     fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.6))
     for i, method in enumerate(dict.fromkeys(r["method"] for r in runs)):

@@ -35,11 +35,11 @@ def tiny_overrides(family: str, root: Path) -> list[str]:
     clip = tiny_models.save_tiny_clip(root / "clip")
     sampler = ["sampler.kind=flow_sde", "sampler.shift=3.0"] if family in ("sd3", "flux") else ["sampler.kind=ddim"]
     if family == "flux":
-        sampler.append("text_to_image.max_sequence_length=16")
-    return ["testbed=text_to_image", f"text_to_image.pretrained={pipe}", "text_to_image.prompts.train=tiny",
-            "text_to_image.prompts.prompts_per_step=4", "sampler.num_steps=6", "sampler.samples_per_class=8",
-            f"text_to_image.reward.models=[{{kind: clip_score, model: {clip}}}, {{kind: jpeg, upscale: 1}}]",
-            "text_to_image.reward.monitor_only=[jpeg_compressibility]", *sampler]
+        sampler.append("testbed.max_sequence_length=16")
+    return ["testbed.name=text_to_image", f"testbed.pretrained={pipe}", "testbed.prompts.train=tiny",
+            "testbed.prompts.prompts_per_step=4", "sampler.num_steps=6", "sampler.group_size=8",
+            f"testbed.reward.models=[{{kind: clip_score, model: {clip}}}, {{kind: jpeg, upscale: 1}}]",
+            "testbed.reward.monitor_only=[jpeg_compressibility]", *sampler]
 
 
 def check(config: str | None, overrides: list[str], steps: int) -> dict[str, Any]:
@@ -60,14 +60,14 @@ def check(config: str | None, overrides: list[str], steps: int) -> dict[str, Any
     rows = out["rows"]
     steady = rows[1:] or rows
     step_s = sum(r["step_s"] for r in steady) / len(steady)
-    samples = cfg.text_to_image.prompts.prompts_per_step * cfg.sampler.samples_per_class
+    samples = cfg.testbed.prompts.prompts_per_step * cfg.sampler.group_size
     return {
         "config": config, "overrides": overrides, "steps": len(rows),
         "device": torch.cuda.get_device_name(0) if gpu else "cpu",
         "first_step_s": rows[0]["step_s"], "step_s": step_s, "samples_per_s": samples / step_s,
         "peak_gpu_memory_gb": torch.cuda.max_memory_allocated() / 2**30 if gpu else None,
         "sync_bytes": rows[-1]["sync_bytes"], "train_reward": [r["proxy"] for r in rows],
-        "dtype": cfg.text_to_image.dtype,
+        "dtype": cfg.testbed.dtype,
         "recompute_logp_absdiff_max": max(r["logp_absdiff_max"] for r in rows),
         "finite": out["stopped_at"] is None, "wall_s": wall,
     }

@@ -34,9 +34,9 @@ VARIANTS = {"gardo.paper[over_rating]": ("gardo.paper", ["objective.uncertainty_
 # p(requested digit) or its unbounded log-odds; the CNN and MLP members stay as the ensemble's
 # auxiliaries (GARDO's uncertainty) and the CNN's features measure diversity.
 def _weak_linear(output: str) -> list[str]:
-    return ["reward.members=[{name: cnn, arch: cnn, seed: 1, epochs: 40}, {name: mlp, arch: mlp, seed: 2, epochs: 60}, "
+    return ["testbed.reward.members=[{name: cnn, arch: cnn, seed: 1, epochs: 40}, {name: mlp, arch: mlp, seed: 2, epochs: 60}, "
             f"{{name: weak_linear, arch: linear, seed: 5, epochs: 200, subset_fraction: 0.05, output: {output}}}]",
-            "reward.train_on=weak_linear", "reward.min_proxy_accuracy=0.5"]
+            "testbed.reward.train_on=weak_linear", "testbed.reward.min_proxy_accuracy=0.5"]
 
 
 PROXIES = {"weak_linear": _weak_linear("probability"), "weak_linear_log_odds": _weak_linear("log_odds")}
@@ -60,8 +60,8 @@ def main() -> None:
     for label, method, _ in variants:
         if not preset(method).exists():
             ap.error(f"no preset {preset(method)} for method {label!r}")
-    overrides = [*PROXIES[args.proxy], f"run.steps={args.steps}", f"sampler.samples_per_class={args.samples_per_class}",
-                 f"run.eval_samples_per_class={args.eval_samples_per_class}", *args.set]
+    overrides = [*PROXIES[args.proxy], f"run.steps={args.steps}", f"sampler.group_size={args.samples_per_class}",
+                 f"testbed.eval_samples_per_class={args.eval_samples_per_class}", *args.set]
     from benchmarks.compare import warm_caches
     from steadyrl.services.config import load_config
 

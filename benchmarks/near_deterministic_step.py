@@ -39,8 +39,8 @@ def main() -> None:
     ap.add_argument("--jobs", type=int, default=2)
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "near_deterministic_step")
     args = ap.parse_args()
-    common = [f"run.steps={args.steps}", f"sampler.samples_per_class={args.samples_per_class}",
-              f"run.eval_samples_per_class={args.eval_samples_per_class}"]
+    common = [f"run.steps={args.steps}", f"sampler.group_size={args.samples_per_class}",
+              f"testbed.eval_samples_per_class={args.eval_samples_per_class}"]
     from benchmarks.compare import warm_caches
     from steadyrl.services.config import load_config
 

@@ -61,13 +61,13 @@ async def fire(url: str, bodies: list[dict], concurrency: int) -> tuple[list[flo
 def measure(batching: bool, port: int, bodies: list[dict], args: argparse.Namespace) -> list[dict]:
     from ray import serve
 
-    from steadyrl.reward.config import RewardConfig
-    from steadyrl.services.config import ServeConfig
+    from steadyrl.services.config import ServeConfig, load_config
     from steadyrl.services.serving import deploy_reward_app
+    from steadyrl.services.testbeds import build_testbed
 
     name = f"reward_load_{'batched' if batching else 'unbatched'}"
     cfg = ServeConfig(batching=batching, max_ongoing_requests=max(args.concurrency))
-    deploy_reward_app(RewardConfig(), cfg, name=name, route_prefix=f"/{name}")
+    deploy_reward_app(build_testbed(load_config(None)), cfg, name=name, route_prefix=f"/{name}")
     url = f"http://127.0.0.1:{port}/{name}/v1/score"
     rows = []
     try:

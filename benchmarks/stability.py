@@ -43,10 +43,10 @@ SPIKE = 1e3
 
 
 def classify(run: dict[str, Any], drop: float) -> dict[str, Any]:
-    base, final = run["evals"][0]["gold_accuracy"], run["evals"][-1]["gold_accuracy"]
+    base, final = run["evals"][0]["held_out"], run["evals"][-1]["held_out"]
     norms = [row.get("policy/grad_norm", 0.0) for row in run["rows"]]
     nan = run.get("stopped_at") is not None or any(n != n for n in norms)
-    return {"base": base, "final": final, "min": min(e["gold_accuracy"] for e in run["evals"]),
+    return {"base": base, "final": final, "min": min(e["held_out"] for e in run["evals"]),
             "collapse": nan or final < base - drop, "spikes": sum(n > SPIKE for n in norms), "nan": nan,
             "max_grad_norm": max(norms)}
 
@@ -86,7 +86,7 @@ def plot(runs: list[dict[str, Any]], path: Path) -> None:
     for ax, setting in zip(axes[0], settings):
         for i, method in enumerate(METHODS):
             for j, r in enumerate(r for r in runs if r["method"] == f"{setting}:{method}"):
-                ax.plot([e["step"] for e in r["evals"]], [e["gold_accuracy"] for e in r["evals"]], color=f"C{i}",
+                ax.plot([e["step"] for e in r["evals"]], [e["held_out"] for e in r["evals"]], color=f"C{i}",
                         alpha=0.6, label=method if j == 0 else None)
         ax.set_title(f"({setting}) {SETTINGS[setting][0]}", fontsize=9)
         ax.set_xlabel("RL step")

@@ -15,7 +15,7 @@ from torch import Tensor
 
 from steadyrl.reward.base import RewardModel
 from steadyrl.reward.classifiers import ClassifierSpec, DigitClassifierReward, load_classifier
-from steadyrl.reward.ensemble import RewardEnsemble
+from steadyrl.reward.ensemble_spec import EnsembleSpec
 from steadyrl.reward.factory import JpegSpec, RewardSpec, build_reward_model
 from steadyrl.rollout.config import StrictModel
 
@@ -47,6 +47,11 @@ class RewardConfig(StrictModel):
     def member_specs(self) -> list[ClassifierSpec | JpegSpec]:
         """The ensemble members' specs, in column order (`reward.factory` builds each)."""
         return [*self.members, *([JpegSpec()] if self.jpeg else [])]
+
+    def ensemble_spec(self) -> EnsembleSpec:
+        """The classifier ensemble with the gold classifier watching (its top-1 verdict is the accuracy)."""
+        return EnsembleSpec(members=self.member_specs(), monitors=[self.gold], train_on=self.train_on,
+                            feature_model=self.feature_model, correct=[self.gold.name])
 
     @model_validator(mode="after")
     def _names(self) -> "RewardConfig":
@@ -166,13 +171,10 @@ class ImageRewardConfig(StrictModel):
             return self.feature_model
         return next((m.name for m in self.trained_specs() if m.kind in FEATURE_KINDS), None)
 
-    def build_ensemble(self) -> RewardEnsemble:
-        """The same models in-process (`reward.factory.build_reward_model`), as the Serve app deploys them."""
-        members = [build_reward_model(spec) for spec in self.trained_specs()]
-        monitors = [build_reward_model(spec) for spec in self.monitor_specs()]
-        feature = self.feature_model_name()
-        feature_model = next((m for m in members if m.name == feature), None) if feature else None
-        return RewardEnsemble(members, self.train_on, monitors, feature_model)
+    def ensemble_spec(self) -> EnsembleSpec:
+        """The trained models as members, the monitor-only ones watching (no verdicts: scores only)."""
+        return EnsembleSpec(members=self.trained_specs(), monitors=self.monitor_specs(), train_on=self.train_on,
+                            feature_model=self.feature_model_name())
 
 
 def build_reward_models(cfg: RewardConfig) -> tuple[list[RewardModel], list[RewardModel], str]:

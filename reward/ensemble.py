@@ -75,11 +75,14 @@ class RewardEnsemble:
         train_on: str,
         monitors: Sequence[RewardModel] = (),
         feature_model: RewardModel | None = None,
+        correct: Sequence[str] = (),
     ):
+        """`correct`: the monitors whose 0/1 verdict is reported as `<name>_correct` (`monitor_scores`)."""
         if not members:
             raise ValueError("an ensemble needs at least one member")
         self.members = list(members)
         self.monitors = list(monitors)
+        self.correct = tuple(correct)
         self.train_on = train_on
         self.feature_model = feature_model
         self.name = "ensemble"
@@ -88,7 +91,7 @@ class RewardEnsemble:
         B = samples.shape[0]
         cols = [check_scores(m.name, m.score(samples, cond), B) for m in self.members]
         out = combine_scores([m.name for m in self.members], torch.stack(cols, dim=1), group, self.train_on)
-        out.monitors = monitor_scores(self.monitors, samples, cond)
+        out.monitors = monitor_scores(self.monitors, samples, cond, self.correct)
         if self.feature_model is not None:
             out.features = self.feature_model.features(samples)  # type: ignore[attr-defined]
         return out
@@ -97,12 +100,14 @@ class RewardEnsemble:
         return self.score_all(samples, cond).reward
 
 
-def monitor_scores(monitors: Sequence[RewardModel], samples: Tensor, cond: Tensor) -> dict[str, Tensor]:
-    """Scores (and, for classifiers, top-1 correctness as `<name>_correct`) of monitor-only models."""
+def monitor_scores(monitors: Sequence[RewardModel], samples: Tensor, cond: Tensor,
+                   correct: Sequence[str] = ()) -> dict[str, Tensor]:
+    """Scores of monitor-only models, and the 0/1 verdict `<name>_correct` of those named in `correct` (a
+    classifier's top-1, a verifier's exact match): the Serve ingress applies the same rule."""
     out: dict[str, Tensor] = {}
     for m in monitors:
         out[m.name] = check_scores(m.name, m.score(samples, cond), samples.shape[0])
-        if hasattr(m, "correct"):
+        if m.name in correct:
             out[f"{m.name}_correct"] = m.correct(samples, cond)  # type: ignore[attr-defined]
     return out
 

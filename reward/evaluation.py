@@ -16,8 +16,8 @@ def eval_summary(cond: Tensor, group: Tensor, scores: EnsembleScores, gold_name:
     if scores.features is None:
         raise ValueError("eval_summary needs ensemble features for the diversity measures")
     return {
-        "gold_accuracy": float(correct.mean()),
-        "gold_accuracy_per_class": [float(correct[cond == c].mean()) for c in range(num_classes)],
+        "held_out": float(correct.mean()),
+        "held_out_per_class": [float(correct[cond == c].mean()) for c in range(num_classes)],
         "proxy_mean": float(scores.reward.mean()),
         "ensemble_mean": float(scores.mean.mean()),
         "diversity_pairwise": mean_pairwise_distance(scores.features, group),

@@ -46,7 +46,7 @@ class SamplerBase(StrictModel):
     num_steps: int = Field(10, ge=2, le=1000)
     logp_reduce: Literal["mean", "sum"] = Field(
         "mean", description="log-prob reduction over pixels (DDPO: mean); clip ranges and KL scales are stated for it")
-    samples_per_class: int = Field(16, ge=2, description="group size: samples per prompt (class)")
+    group_size: int = Field(16, ge=2, description="samples per prompt (per class on digits): one GRPO group")
     min_std: float = Field(1e-3, gt=0.0, description="steps with a smaller std are deterministic, untrained")
 
 
@@ -90,7 +90,7 @@ class MaskedDiffusionSamplerConfig(SamplerBase):
     logp_reduce: Literal["mean", "sum"] = Field(
         "mean", description="sum: the estimate of log pi(y|x); mean: divided by gen_length (mean log-prob over "
         "the masked tokens for the elbo estimator, the per-sample form of SPG's code)")
-    samples_per_class: int = Field(8, ge=2, description="group size: completions per prompt")
+    group_size: int = Field(8, ge=2, description="completions per prompt: one GRPO group")
 
     @model_validator(mode="after")
     def _blocks(self) -> "MaskedDiffusionSamplerConfig":

@@ -23,6 +23,8 @@ from typing import Literal
 import torch
 from torch import Tensor
 
+from steadyrl.rollout.sampler import LogProb
+
 Estimator = Literal["elbo", "coupled", "one_step"]
 
 
@@ -66,11 +68,10 @@ def masked_estimate(token_logp: Tensor, mask: Tensor) -> Tensor:
 
 
 @dataclass
-class SequenceLogProb:
-    """One MC sample's estimate [B] and what it was built from (per-token log-probs [B, L] of the
-    masked positions' pass, and the completion mask [B, L])."""
+class SequenceLogProb(LogProb):
+    """One MC sample's estimate `logp` [B] and what it was built from (per-token log-probs [B, L] of the
+    masked positions' pass, and the completion mask [B, L]): the masked-diffusion sampler's `log_prob`."""
 
-    logp: Tensor
     token_logp: Tensor
     mask: Tensor
 

@@ -16,7 +16,9 @@ Greedy decoding (T = 0, low_confidence) is deterministic: the same prompt gives 
 
 For training a "step" of this sampler is a Monte-Carlo mask sample j = 0..n-1 of the likelihood
 estimator (`rollout.likelihood`): the sequence log-likelihood of a sample is the mean over its n
-steps, which the learner uses as one sequence-level ratio (`sequence_level = True`).
+steps, which the learner uses as one sequence-level ratio (`sequence_level = True`). The sampler is a
+`rollout.sampler.SequenceSampler`: `log_prob` returns a `SequenceLogProb` (the estimate and its per-token
+terms); there is no Gaussian std, mean or step length.
 """
 from __future__ import annotations
 
@@ -25,8 +27,8 @@ from torch import Tensor
 
 from steadyrl.rollout.batch import RolloutBatch
 from steadyrl.rollout.config import MaskedDiffusionSamplerConfig
-from steadyrl.rollout.likelihood import draw_masks, estimate
-from steadyrl.rollout.sampler import StepLogProb
+from steadyrl.rollout.likelihood import SequenceLogProb, draw_masks, estimate
+from steadyrl.rollout.sampler import LogProb
 
 
 def transfer_schedule(masked: int, steps: int) -> list[int]:
@@ -54,8 +56,6 @@ class MaskedDiffusionSampler:
         n = cfg.mc_samples
         self.timesteps = torch.arange(n)
         self.trainable = torch.ones(n, dtype=torch.bool)
-        self.std = torch.ones(n, dtype=torch.float64)
-        self.dt = torch.ones(n, dtype=torch.float64)
 
     @property
     def reduce(self) -> str:
@@ -137,17 +137,16 @@ class MaskedDiffusionSampler:
                            batch.cond.shape[1], self.cfg.prompt_mask_prob, generator)
         return batch.with_extras(mc_masks=masks.completion, prompt_masks=masks.prompt)
 
-    def log_prob(self, policy, batch: RolloutBatch, step: Tensor | int) -> StepLogProb:
+    def log_prob(self, policy, batch: RolloutBatch, step: Tensor | int) -> SequenceLogProb:
         """The estimator at MC sample(s) `step` (int or [B]) of each row, with the batch's stored masks:
-        logp [B], and the per-token terms in `tokens`."""
+        logp [B] and the per-token terms it was built from."""
         if isinstance(step, int):
             step = torch.full((len(batch),), step, dtype=torch.long)
         rows = torch.arange(len(batch))
         masks = (batch.extras["mc_masks"][rows, step], batch.extras["prompt_masks"][rows, step])
-        seq = estimate(policy, self.cfg.estimator, batch.cond, batch.samples, masks, self.mask_token_id, self.reduce)
-        return StepLogProb(seq.logp, None, None, tokens=seq)
+        return estimate(policy, self.cfg.estimator, batch.cond, batch.samples, masks, self.mask_token_id, self.reduce)
 
-    def kl(self, new: StepLogProb, ref: StepLogProb) -> Tensor:
+    def kl(self, new: LogProb, ref: LogProb) -> Tensor:
         """k3 estimate of KL(pi_theta || pi_ref) per sample: exp(d) - d - 1, d = log pi_ref - log pi_theta."""
         d = ref.logp - new.logp
         return d.exp() - d - 1

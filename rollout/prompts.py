@@ -147,7 +147,7 @@ class PromptsConfig(StrictModel):
     split_seed: int = Field(0, ge=0, description="seed of the train/eval split's permutation, fixed apart from "
                             "train_seed so that changing the training order does not change the held-out prompts")
     prompts_per_step: int = Field(8, ge=1, description="distinct prompts per RL step, split over rollout workers; "
-                                  "each gets `sampler.samples_per_class` images (one GRPO group)")
+                                  "each gets `sampler.group_size` images (one GRPO group)")
     eval_prompts: int | None = Field(None, ge=1, description="cap on evaluation prompts (a seeded sample, for "
                                      "cheaper evals of a big set); None = all")
     train_seed: int = Field(0, ge=0, description="seed of the order in which training prompts are drawn (a "

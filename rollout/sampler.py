@@ -1,10 +1,18 @@
-"""The sampler seam: a policy over denoising steps, each step a Gaussian N(mean, std^2 I).
+"""The sampler seam: `Sampler`, what the learner and the rollout workers use from every sampler, and its
+Gaussian family, where each denoising step is a Gaussian N(mean, std^2 I).
+
+`Sampler` (a Protocol) is the whole of what every sampler shares: `cfg`, `timesteps`, `trainable`,
+`sequence_level`, `reduce`, `train_steps(min_std)`, `sample(...) -> RolloutBatch`,
+`log_prob(policy, batch, step) -> LogProb` and `kl(new, ref)`. Each family's `log_prob` returns its own
+result: `StepLogProb` (logp, mean, std, dt) for the Gaussian family, `rollout.likelihood.SequenceLogProb`
+(logp and the estimator's per-token terms) for masked diffusion; `LogProb` (logp only) is what both extend.
+Sequence-level samplers also implement `SequenceSampler` (fresh MC masks per optimisation step).
 
 Every image sampler (DDIM, flow-SDE) is a `GaussianStepSampler`: it owns a schedule
 (`timesteps`, per-step `std`, per-step `dt`, which steps are stochastic) and one small
 scheduler-like function, `step_distribution(policy, x_t, step, cond)`, from which sampling,
 the log-prob recompute, the KL between two policies and reward back-propagation all follow.
-The learner only ever talks to this interface, never to a concrete sampler; the sampler only ever
+The learner only ever talks to these interfaces, never to a concrete sampler; the sampler only ever
 calls `policy(x_t, t, cond)` (`rollout.policy.Policy`), never a network. The schedule lives on the CPU
 in float64; each step's coefficients move to x_t's device and dtype, and noise is drawn from a CPU
 generator and moved, so a seed gives the same trajectory on any device up to the network's numerics.
@@ -17,13 +25,16 @@ from __future__ import annotations
 import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import torch
 from torch import Tensor, nn
 
 from steadyrl.rollout.batch import RolloutBatch, cond_extras
 from steadyrl.rollout.policy import Cond, module_device
+
+if TYPE_CHECKING:
+    from steadyrl.rollout.likelihood import SequenceLogProb
 
 ConditionalModel = nn.Module  # a `rollout.policy.Policy`, or a DeepSpeed engine wrapping one
 
@@ -54,19 +65,76 @@ class StepDistribution:
 
 
 @dataclass
-class StepLogProb:
-    """A recomputed step: log-prob [B] of the stored transition and the distribution it came from
-    (Gaussian samplers: mean and std; masked diffusion: the estimator's per-token terms in `tokens`)."""
+class LogProb:
+    """A recomputed log-likelihood [B] of stored samples: what every sampler's `log_prob` returns (and all a
+    sequence-level KL needs)."""
 
     logp: Tensor
-    mean: Tensor | None
-    std: Tensor | None
-    tokens: Any = None
+
+
+@dataclass
+class StepLogProb(LogProb):
+    """A recomputed Gaussian step: log-prob [B] of the stored transition, the distribution it came from,
+    N(mean [B,...], std [B]^2 I), and the step's length dt [B] (|Delta t| in the model's continuous time)."""
+
+    mean: Tensor
+    std: Tensor
+    dt: Tensor
+
+
+@runtime_checkable
+class Sampler(Protocol):
+    """What the learner and the rollout workers use from every sampler (attributes are per inference step,
+    or per MC sample for a sequence-level sampler: [T]).
+
+    cfg: its settings.  timesteps [T]: model timestep (or MC sample index) per step.  trainable [T] (bool): the
+    step carries a log-prob.  sequence_level: the steps are MC samples of one sequence likelihood (the learner
+    uses their mean as one ratio) rather than each its own ratio.  reduce: the log-prob reduction.
+    """
+
+    cfg: Any
+    timesteps: Tensor
+    trainable: Tensor
+    sequence_level: bool
+
+    @property
+    def reduce(self) -> str:
+        """How log-probs (and KLs) are reduced over a sample's elements: `mean` or `sum`."""
+
+    def train_steps(self, min_std: float = 0.0) -> Tensor:
+        """Indices of the steps a learner trains."""
+
+    def sample(self, policy: nn.Module, cond: Tensor, n_per_cond: int, generator: torch.Generator, *,
+               group_offset: int = 0) -> RolloutBatch:
+        """`n_per_cond` samples per entry of `cond`, one group each (numbered from `group_offset`), with their
+        log-probs as `old_logp`; a sampler may take further keyword options (image shape, embeddings)."""
+
+    def log_prob(self, policy: nn.Module, batch: RolloutBatch, step: Tensor | int) -> LogProb:
+        """Recompute the stored samples' log-probs [B] at step(s) `step` (int or [B]) under `policy`."""
+
+    def kl(self, new: Any, ref: Any) -> Tensor:
+        """KL(pi_new || pi_ref) per sample [B] from two `log_prob` results (of this sampler's kind)."""
+
+
+@runtime_checkable
+class SequenceSampler(Sampler, Protocol):
+    """A sequence-level sampler (masked diffusion): `log_prob` is one MC sample of the sequence likelihood and
+    the MC masks may be redrawn for the new policy."""
+
+    def log_prob(self, policy: nn.Module, batch: RolloutBatch, step: Tensor | int) -> SequenceLogProb:
+        """The estimator at MC sample(s) `step`: logp [B] and its per-token terms."""
+
+    @property
+    def independent_masks(self) -> bool:
+        """The new policy is evaluated on masks of its own, drawn per optimisation step (`with_fresh_masks`)."""
+
+    def with_fresh_masks(self, batch: RolloutBatch, generator: torch.Generator) -> RolloutBatch:
+        """The batch with newly drawn MC masks."""
 
 
 class GaussianStepSampler(ABC):
-    """Shared sampling / recompute logic over a schedule; subclasses define the schedule and
-    `step_distribution`. Attributes (all [T], T = num inference steps):
+    """The Gaussian family of `Sampler`: shared sampling / recompute logic over a schedule; subclasses define
+    the schedule and `step_distribution`. Attributes (all [T], T = num inference steps):
 
     timesteps: model timestep per step.  std: the step's Gaussian std (float64).
     dt: |Delta t| of the step in the model's continuous time (flow: |s_next - s|; DDIM: (t - t_prev)/T_train).
@@ -150,14 +218,16 @@ class GaussianStepSampler(ABC):
         return step
 
     def log_prob(self, policy: ConditionalModel, batch: RolloutBatch, step: Tensor | int) -> StepLogProb:
-        """Recompute log pi(x_next | x_t) [B] of the stored transition at step(s) `step` (int or [B])."""
+        """Recompute log pi(x_next | x_t) [B] of the stored transition at step(s) `step` (int or [B]), with the
+        step's mean, std and dt."""
         step = self._steps(batch, step)
         if not bool(self.trainable[step].all()):
             raise ValueError("log_prob asked for a deterministic (untrainable) step")
         rows = torch.arange(len(batch), device=batch.traj.device)
         at = step.to(batch.traj.device)
         dist = self.step_distribution(policy, batch.traj[rows, at], step, batch.model_cond)
-        return StepLogProb(dist.log_prob(batch.traj[rows, at + 1], self.reduce), dist.mean, dist.std)
+        logp = dist.log_prob(batch.traj[rows, at + 1], self.reduce)
+        return StepLogProb(logp, dist.mean, dist.std, self.dt[step].to(device=logp.device, dtype=logp.dtype))
 
     def distribution(self, policy: ConditionalModel, batch: RolloutBatch, step: Tensor | int) -> StepDistribution:
         """The step distribution at the stored x_t (e.g. of the reference policy, for a KL)."""

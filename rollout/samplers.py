@@ -3,9 +3,11 @@ from __future__ import annotations
 
 from steadyrl.rollout.config import (DDIMSamplerConfig, FlowSDESamplerConfig, MaskedDiffusionSamplerConfig, SamplerBase,
                             SchedulerConfig)
+from steadyrl.rollout.sampler import Sampler
 
 
-def build_sampler(cfg: SamplerBase, scheduler: SchedulerConfig | None = None, mask_token_id: int | None = None):
+def build_sampler(cfg: SamplerBase, scheduler: SchedulerConfig | None = None,
+                  mask_token_id: int | None = None) -> Sampler:
     """DDIM (epsilon model), flow-SDE (velocity model) or masked diffusion (a masked LM), by `cfg.kind`."""
     if isinstance(cfg, DDIMSamplerConfig):
         from steadyrl.rollout.ddim import DDIMLogProbSampler

@@ -121,12 +121,12 @@ def serve_reward(
     testbed.prepare_rewards()
     init_ray(cfg.ray.address, cfg.ray.num_cpus)
     _, bound = start_serve(s)
-    deploy_reward_app(testbed.reward_spec(), s)
+    deploy_reward_app(testbed, s)
     base = f"http://{s.host}:{bound}{ROUTE_PREFIX}"
     where = "this machine only" if s.host in ("127.0.0.1", "localhost", "::1") else "reachable from the network"
     token = (f"needs `Authorization: Bearer <token>` (token from "
              f"{'$' + s.auth_token_env if s.auth_token_env else s.auth_token_file})" if auth else "no token needed")
-    lines = [f"reward ensemble ({cfg.testbed}) on {s.host}:{bound} ({where}); {token}",
+    lines = [f"reward ensemble ({cfg.testbed.name}) on {s.host}:{bound} ({where}); {token}",
              f"  POST {base}{SCORE_ROUTE}    score samples (at most {s.max_request_samples} per request, "
              f"bodies up to {s.max_body_bytes} bytes)",
              f"  GET  {base}{MODELS_ROUTE}   the reward models",
@@ -148,7 +148,7 @@ def serve_reward(
 def eval_cmd(
     run_dir: Path = typer.Argument(..., help="a run folder written by `steadyrl train`"),
     step: Optional[int] = typer.Option(None, help="checkpoint step (default: latest)"),
-    samples_per_class: Optional[int] = typer.Option(None, help="samples per prompt (default: the testbed's)"),
+    samples_per_prompt: Optional[int] = typer.Option(None, help="samples per held-out prompt (default: the testbed's)"),
     seed: Optional[int] = typer.Option(None, help="default: the run's eval_seed"),
 ) -> None:
     """Score a checkpoint: held-out accuracy (per class / answer length), training reward, diversity, samples."""
@@ -157,7 +157,7 @@ def eval_cmd(
     if not (run_dir / "config.yaml").exists():
         _fail(f"{run_dir} is not a run folder (no config.yaml)")
     try:
-        res = evaluate_checkpoint(run_dir, step, samples_per_class, seed)
+        res = evaluate_checkpoint(run_dir, step, samples_per_prompt, seed)
     except FileNotFoundError as err:
         _fail(str(err))
     from steadyrl.services.config import load_config
@@ -169,7 +169,7 @@ def eval_cmd(
     table.add_column(testbed.labels[1], justify="right")
     for key, a in res["breakdown"].items():
         table.add_row(key, testbed.headline(a, breakdown=True))
-    table.add_row("[bold]all", f"[bold]{testbed.headline(res['gold_accuracy'])}")
+    table.add_row("[bold]all", f"[bold]{testbed.headline(res['held_out'])}")
     console.print(table)
     console.print(f"proxy reward {res['proxy_mean']:.3f}   diversity (nn) {res['diversity_nn']:.2f}   "
                   f"samples: {Path(res['checkpoint']).parents[1] / ('eval_' + Path(res['checkpoint']).name)}/")

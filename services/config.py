@@ -2,21 +2,17 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal, Union
 
 import yaml
 
 from pydantic import Field, ValidationError, model_validator
 
-from steadyrl.reward.config import ImageRewardConfig, RewardConfig
-from steadyrl.rollout.config import DEFAULT_SAMPLER_KIND, DDIMSamplerConfig, SamplerConfig, SchedulerConfig, StrictModel, UNetConfig
-from steadyrl.rollout.lora import LoRAConfig
-from steadyrl.rollout.masked_lm import MaskedLMConfig
-from steadyrl.rollout.prompts import PromptsConfig
+from steadyrl.rollout.config import DEFAULT_SAMPLER_KIND, DDIMSamplerConfig, SamplerConfig, StrictModel
+from steadyrl.services.testbeds.registry import DEFAULT_TESTBED, TESTBED_SETTINGS
 from steadyrl.trainer.config import DEFAULT_OBJECTIVE, LearnerConfig, ObjectiveConfig
+from steadyrl.trainer.objectives import objective_class
 from steadyrl.trainer.objectives.grpo import GRPOSettings
-from steadyrl.trainer.pretrain import PretrainConfig
-from steadyrl.trainer.pretrain_masked_lm import MaskedLMPretrainConfig
 
 # the checkout's configs/ (editable install), else ./configs (a plain install run from the repo, as in the image)
 CONFIG_DIR = next((d for d in (Path(__file__).resolve().parent.parent / "configs", Path.cwd() / "configs")
@@ -26,54 +22,6 @@ DEFAULT_CONFIG = CONFIG_DIR / "digits-grpo.yaml"
 
 class ConfigError(ValueError):
     """A bad config file, key or value; the message names the field."""
-
-
-class ArithConfig(StrictModel):
-    """The arith testbed: synthetic problems, a tiny masked-diffusion LM, an exact verifier."""
-
-    task: Literal["addition", "sudoku"] = "addition"
-    digits: int = Field(2, ge=1, le=8, description="addition: operand digits (zero-padded in the prompt)")
-    blanks: int = Field(6, ge=1, le=16, description="sudoku: hidden cells of the 4x4 grid")
-    model: MaskedLMConfig = Field(default_factory=MaskedLMConfig)
-    pretrain: MaskedLMPretrainConfig = Field(default_factory=MaskedLMPretrainConfig)
-    pretrained: str | None = Field(
-        None, description="a real masked-diffusion LM by hub id or local directory (LLaDA, or any masked LM "
-        "transformers implements) with its own tokenizer, instead of the tiny BERT built here (`model`, `pretrain` "
-        "then unused). Its full weights go through Ray's object store: fine for small models; LoRA comes later")
-    trust_remote_code: bool = Field(False, description="run the model repo's own modelling code (LLaDA needs it)")
-    partial_credit: bool = Field(False, description="sudoku: reward the share of valid rows/columns/boxes")
-    prompts_per_step: int = Field(16, ge=1, description="fresh problems per RL step (split over rollout workers)")
-    train_seed: int = Field(202, description="seed of the RL problems (pre-training and eval use others)")
-    eval_seed: int = Field(303, description="seed of the fixed held-out evaluation problems")
-    eval_problems: int = Field(200, ge=1, description="held-out problems per evaluation (greedy decoding)")
-
-
-class TextToImageConfig(StrictModel):
-    """The text-to-image testbed: a diffusers pipeline by name or path, text prompts, image reward models."""
-
-    pretrained: str | None = Field(
-        None, description="hub id (already in the local Hugging Face cache) or directory of a diffusers pipeline: "
-        "SD 1.x/2.x-style (UNet, sampler.kind=ddim), SDXL-style (ddim) or SD3-style (transformer, flow_sde)")
-    resolution: int | None = Field(None, ge=8, description="image side in pixels; None: the model's native one")
-    guidance_scale: float = Field(4.5, ge=1.0, description="classifier-free guidance w, identical in sampling and "
-                                  "the log-prob recompute (1 = off: one forward instead of two); Flow-GRPO: 4.5")
-    negative_prompt: str = Field("", description="the unconditional branch's prompt (the same in recompute)")
-    max_sequence_length: int | None = Field(
-        None, ge=1, le=512, description="T5 prompt tokens (SD3, FLUX); None: the pipeline's default (SD3 256, "
-        "FLUX 512). Shorter saves the embeddings' memory in every batch")
-    dtype: Literal["float32", "bfloat16", "float16"] = Field(
-        "float32", description="weights of the denoiser, text encoders and VAE; bf16 halves memory on GPU (the "
-        "sampler's Gaussian stays float32: see README for the recompute tolerance it implies)")
-    autocast: Literal["off", "bfloat16", "float16"] = Field(
-        "off", description="mixed precision for the denoiser's forward (torch.autocast; weights stay in `dtype`): "
-        "bf16 is the usual choice on GPUs; the sampler's Gaussian stays float32 and the recompute gap it causes is "
-        "logged as policy/rollout_logp_absdiff_max (README states what to expect)")
-    lora: LoRAConfig | None = Field(default_factory=LoRAConfig, description="adapters to train (None: the whole "
-                                    "denoiser, whose full weights then go through the object store each step)")
-    prompts: PromptsConfig = Field(default_factory=PromptsConfig)
-    reward: ImageRewardConfig = Field(default_factory=ImageRewardConfig)
-    eval_samples_per_prompt: int = Field(2, ge=1, description="images per held-out prompt per evaluation")
-    decode_batch: int = Field(8, ge=1, description="latents per VAE decode call (bounds decode memory)")
 
 
 class ServeConfig(StrictModel):
@@ -181,7 +129,6 @@ class RunConfig(StrictModel):
     run_dir: str | None = Field(None, description="None: runs/<name>-<timestamp>")
     name: str = "digits-grpo"
     eval_every: int = Field(20, ge=1)
-    eval_samples_per_class: int = Field(50, ge=1)
     eval_seed: int = 1234
     checkpoint_every: int = Field(20, ge=1)
     progress: bool = True
@@ -191,48 +138,55 @@ class RunConfig(StrictModel):
         "debugging and many-seed benchmarks (`steadyrl train --local`); both compute the same run")
 
 
+TestbedConfig = Annotated[Union[tuple(TESTBED_SETTINGS.values())], Field(discriminator="name")]
+
+
 class TrainConfig(StrictModel):
     """Everything one training run needs; each default lives in the section's own model."""
 
-    testbed: Literal["digits", "arith", "text_to_image"] = Field(
-        "digits", description="digits: images (model, scheduler, pretrain, reward sections); arith: a "
-        "masked-diffusion LM (the arith section, sampler.kind=masked_diffusion); text_to_image: a diffusers "
-        "pipeline with text prompts (the text_to_image section)")
+    testbed: TestbedConfig = Field(
+        default_factory=TESTBED_SETTINGS[DEFAULT_TESTBED], description="the testbed and only its settings, picked "
+        "by `name`: digits (a class-conditional UNet, its pre-training and classifier rewards), arith (a "
+        "masked-diffusion LM and a verifier; sampler.kind=masked_diffusion), text_to_image (a diffusers pipeline, "
+        "prompts, image rewards). `testbed: arith` is short for `testbed: {name: arith}`")
     run: RunConfig = Field(default_factory=RunConfig)
-    arith: ArithConfig = Field(default_factory=ArithConfig)
-    text_to_image: TextToImageConfig = Field(default_factory=TextToImageConfig)
-    model: UNetConfig = Field(default_factory=UNetConfig)
-    scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)
-    pretrain: PretrainConfig = Field(default_factory=PretrainConfig)
     sampler: SamplerConfig = Field(default_factory=DDIMSamplerConfig)
-    reward: RewardConfig = Field(default_factory=RewardConfig)
     objective: ObjectiveConfig = Field(default_factory=GRPOSettings)
     learner: LearnerConfig = Field(default_factory=LearnerConfig)
     serve: ServeConfig = Field(default_factory=ServeConfig)
     ray: RayConfig = Field(default_factory=RayConfig)
 
+    @model_validator(mode="before")
+    @classmethod
+    def _testbed_by_name(cls, data: Any) -> Any:
+        """`testbed: arith` means `{name: arith}`; a section without a name is the default testbed's."""
+        if isinstance(data, dict):
+            tb = data.get("testbed")
+            if isinstance(tb, str):
+                data = {**data, "testbed": {"name": tb}}
+            elif isinstance(tb, dict) and "name" not in tb:
+                data = {**data, "testbed": {"name": DEFAULT_TESTBED, **tb}}
+        return data
+
     @model_validator(mode="after")
     def _testbed_fits(self) -> "TrainConfig":
-        text = self.testbed == "arith"
-        if text != (self.sampler.kind == "masked_diffusion"):
-            raise ValueError(f"testbed={self.testbed!r} needs sampler.kind="
-                             f"{'masked_diffusion' if text else 'ddim or flow_sde'}, got {self.sampler.kind!r}")
-        if self.testbed == "text_to_image" and self.text_to_image.pretrained is None:
-            raise ValueError("testbed='text_to_image' needs text_to_image.pretrained (a hub id or a pipeline directory)")
-        limit = {"digits": 10, "arith": self.arith.prompts_per_step,
-                 "text_to_image": self.text_to_image.prompts.prompts_per_step}[self.testbed]
-        if self.ray.rollout_workers > limit:
-            raise ValueError(f"ray.rollout_workers={self.ray.rollout_workers} exceeds the {limit} prompts per step "
-                             f"of testbed {self.testbed!r}")
+        tb = self.testbed
+        if self.sampler.kind not in tb.sampler_kinds:
+            raise ValueError(f"testbed {tb.name!r} needs sampler.kind={' or '.join(tb.sampler_kinds)}, got "
+                             f"{self.sampler.kind!r}")
+        if self.ray.rollout_workers > tb.max_workers():
+            raise ValueError(f"ray.rollout_workers={self.ray.rollout_workers} exceeds the {tb.max_workers()} prompts "
+                             f"per step of testbed {tb.name!r}")
+        if objective_class(self.objective.name).mode == "reward_backprop" and tb.no_reward_backprop is not None:
+            raise ValueError(f"objective.name={self.objective.name!r} back-propagates the training reward, but testbed "
+                             f"{tb.name!r} cannot: {tb.no_reward_backprop}")
+        tb.check(self)
         if self.ray.weight_sync == "collective" and self.learner.max_staleness > 0:
             raise ValueError("ray.weight_sync=collective needs learner.max_staleness=0 (pipelined rollouts re-issued "
                              "after a worker restart need older weights, which only the object store keeps)")
         if self.run.runtime == "local" and self.learner.ranks != 1:
             raise ValueError(f"learner.ranks={self.learner.ranks}: run.runtime=local runs one learner rank in its "
                              "process; use run.runtime=ray for more")
-        if text and self.arith.model.max_positions < self.sampler.gen_length + 20:
-            raise ValueError(f"arith.model.max_positions={self.arith.model.max_positions} is shorter than the "
-                             f"longest prompt + sampler.gen_length")
         return self
 
 
@@ -264,7 +218,8 @@ def parse_override(text: str) -> tuple[str, Any]:
 
 # Sections whose first key picks a model with its own settings: switching it starts the section afresh
 # (a GRPO preset's eps_clip must not leak into an objective without one).
-SWITCHES = {"objective": ("name", DEFAULT_OBJECTIVE), "sampler": ("kind", DEFAULT_SAMPLER_KIND)}
+SWITCHES = {"objective": ("name", DEFAULT_OBJECTIVE), "sampler": ("kind", DEFAULT_SAMPLER_KIND),
+            "testbed": ("name", DEFAULT_TESTBED)}
 
 
 def _where(loc: tuple[Any, ...]) -> str:
@@ -313,6 +268,8 @@ def read_tree(path: Path, seen: tuple[Path, ...] = ()) -> dict[str, Any]:
         raise ConfigError(f"config file {str(path)!r} is not valid YAML: {err}") from err
     if not isinstance(tree, dict):
         raise ConfigError(f"config file {str(path)!r} must hold a mapping at top level")
+    if isinstance(tree.get("testbed"), str):  # `testbed: arith` is short for `testbed: {name: arith}`
+        tree["testbed"] = {"name": tree["testbed"]}
     base = tree.pop("base", None)
     if base is None:
         return tree
@@ -322,10 +279,11 @@ def read_tree(path: Path, seen: tuple[Path, ...] = ()) -> dict[str, Any]:
 def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> TrainConfig:
     """Load a YAML preset (default: configs/digits-grpo.yaml), apply overrides, validate.
 
-    Overrides that switch `objective.name` or `sampler.kind` apply first and reset that section, so
-    `objective.name=gardo.paper objective.kl_coef=0.01` gives GARDO's defaults plus that one change."""
+    Overrides that switch `objective.name`, `sampler.kind` or `testbed.name` apply first and reset that section,
+    so `objective.name=gardo.paper objective.kl_coef=0.01` gives GARDO's defaults plus that one change."""
     tree = read_tree(Path(path) if path is not None else DEFAULT_CONFIG)
-    parsed = [parse_override(text) for text in overrides]
+    parsed = [("testbed.name", v) if k == "testbed" and isinstance(v, str) else (k, v)  # testbed=arith
+              for k, v in map(parse_override, overrides)]
     switches = {f"{section}.{key}" for section, (key, _) in SWITCHES.items()}
     for key, value in sorted(parsed, key=lambda kv: kv[0] not in switches):  # stable: switches first
         section = key.split(".")[0]

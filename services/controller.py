@@ -189,7 +189,7 @@ class Controller:
                 task = progress.add_task("rl", total=cfg.run.steps, completed=start, proxy=0.0, gold=0.0, kl=0.0,
                                          dt=0.0)
                 yield lambda done, m: progress.update(
-                    task, completed=done, proxy=m["reward/train_mean"], gold=m["reward/gold_accuracy"],
+                    task, completed=done, proxy=m["reward/train_mean"], gold=m["reward/held_out"],
                     kl=m["policy/kl_ref_monitor"], dt=m["timing_s/step"])
 
         return bar()
@@ -198,7 +198,7 @@ class Controller:
         result = self.pool.evaluate(self.cfg.run.eval_seed)
         result["step"] = step
         self.testbed.save_eval(result, self.run_dir / f"samples_step_{step:04d}",
-                               f"step {step}: {self.testbed.headline_text(result['gold_accuracy'])}")
+                               f"step {step}: {self.testbed.headline_text(result['held_out'])}")
         self.evals.append(result)
         write_text_atomically(self.run_dir / "evals.json", json.dumps(self.evals, indent=1))
         return result
@@ -262,7 +262,7 @@ def summary_table(result: RunResult, labels: tuple[str, str] = ("proxy", "gold")
         for key, b in base["breakdown"].items():
             f = final["breakdown"].get(key)
             table.add_row(key, headline(b, breakdown=True), "-" if f is None else headline(f, breakdown=True))
-        table.add_row("[bold]all", f"[bold]{headline(base['gold_accuracy'])}", f"[bold]{headline(final['gold_accuracy'])}")
+        table.add_row("[bold]all", f"[bold]{headline(base['held_out'])}", f"[bold]{headline(final['held_out'])}")
         table.add_row(f"{labels[0]} reward", f"{base['proxy_mean']:.3f}", f"{final['proxy_mean']:.3f}")
         table.add_row("diversity (nn)", f"{base['diversity_nn']:.2f}", f"{final['diversity_nn']:.2f}")
     if result.timing:

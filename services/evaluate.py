@@ -31,6 +31,6 @@ def evaluate_checkpoint(run_dir: Path, step: int | None = None, n_per_prompt: in
     result = {"checkpoint": str(ckpt), **testbed.eval_summary(batch, scores)}
     out = run_dir / f"eval_{ckpt.name}"
     out.mkdir(exist_ok=True)
-    testbed.save_eval(result, out / "samples", f"{ckpt.name}: {testbed.headline_text(result['gold_accuracy'])}")
+    testbed.save_eval(result, out / "samples", f"{ckpt.name}: {testbed.headline_text(result['held_out'])}")
     (out / "eval.json").write_text(json.dumps(result, indent=1))
     return result

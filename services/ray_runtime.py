@@ -45,7 +45,7 @@ class RayRuntime:
             self.pool = RolloutPool(cfg, base_weights, self.run_dir, self.learner, self.console)
             self.learner.start()
             # an app already serving this very ensemble (a RayService's, an earlier run's) is used and left up
-            self._deployed_app = deploy_reward_app(self.testbed.reward_spec(), cfg.serve, reuse=True)
+            self._deployed_app = deploy_reward_app(self.testbed, cfg.serve, reuse=True)
             self.pool.start(self.learner.infos())
         reward_url = f"http://{cfg.serve.host}:{port}{ROUTE_PREFIX}"
         write_text_atomically(self.run_dir / "endpoints.json", json.dumps({"reward": reward_url}))

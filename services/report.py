@@ -96,9 +96,9 @@ def save_curves(rows: list[dict[str, float]], evals: list[dict[str, Any]], path:
     line(axes[0], "reward/train_mean", "proxy reward (train batch)")
     line(axes[0], "reward/ensemble_mean", "ensemble mean")
     axes[0].set_title("reward")
-    line(axes[1], "reward/gold_accuracy", "gold acc. (train batch)")
+    line(axes[1], "reward/held_out", "gold acc. (train batch)")
     if evals:
-        axes[1].plot([e["step"] for e in evals], [e["gold_accuracy"] for e in evals], "o-", label="gold acc. (eval)")
+        axes[1].plot([e["step"] for e in evals], [e["held_out"] for e in evals], "o-", label="gold acc. (eval)")
     axes[1].set_title("gold accuracy (reward hacking check)")
     line(axes[2], "diversity/nn_distance", "nearest-neighbour feature distance")
     if evals:

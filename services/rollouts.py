@@ -50,7 +50,7 @@ class Rollouts:
         gen = torch.Generator().manual_seed(step_seed(self.cfg.run.seed, step, index))
         prompts, group_offset = self.testbed.train_prompts(index, n_workers, step)
         t0 = time.perf_counter()
-        batch = self.testbed.sample(self.sampler, self.policy, prompts, self.cfg.sampler.samples_per_class, gen,
+        batch = self.testbed.sample(self.sampler, self.policy, prompts, self.cfg.sampler.group_size, gen,
                                     group_offset=group_offset)
         t1 = time.perf_counter()
         batch, scores = self.score(batch, score)

@@ -22,8 +22,8 @@ from steadyrl.trainer.config import LearnerConfig
 
 # ------------------------------------------------------------------------------- runs of the real services
 # The short smoke run that the resume, fault-tolerance and weight-sync tests each compare their run with.
-SMOKE_SHORT = ["run.steps=6", "run.checkpoint_every=3", "run.eval_every=3", "run.eval_samples_per_class=2",
-               "sampler.samples_per_class=4", "run.progress=false"]
+SMOKE_SHORT = ["run.steps=6", "run.checkpoint_every=3", "run.eval_every=3", "testbed.eval_samples_per_class=2",
+               "sampler.group_size=4", "run.progress=false"]
 VOLATILE_METRICS = ("timing_s/", "perf/", "faults/")  # wall-clock figures and fault counters
 
 
@@ -32,13 +32,22 @@ def computed_metrics(rows: list[dict]) -> list[dict]:
     return [{k: v for k, v in r.items() if not k.startswith(VOLATILE_METRICS)} for r in rows]
 
 
+def make_testbed(settings: Any) -> Any:
+    """The testbed of a `testbed:` section alone (with the first sampler kind that fits it)."""
+    from steadyrl.services.config import TrainConfig
+    from steadyrl.services.testbeds import build_testbed
+
+    return build_testbed(TrainConfig.model_validate({"testbed": settings.model_dump(),
+                                                     "sampler": {"kind": settings.sampler_kinds[0]}}))
+
+
 def ensure_digits_app() -> None:
     """The default digits reward ensemble deployed (again, if a run or test replaced it). Digits runs find it
     serving their ensemble and use it instead of deploying their own (~30 s each on 2 cores)."""
-    from steadyrl.reward.config import RewardConfig
     from steadyrl.services.serving import deploy_reward_app
+    from steadyrl.services.testbeds import DigitsSettings
 
-    deploy_reward_app(RewardConfig(), reuse=True)
+    deploy_reward_app(make_testbed(DigitsSettings()), reuse=True)
 
 
 def train_local(config: Path, run_dir: Path, overrides: list[str] = ()) -> tuple[Any, list[dict]]:
@@ -103,13 +112,13 @@ def tiny_learner(cfg: LearnerConfig):
     from steadyrl.rollout.ddim import DDIMLogProbSampler
     from steadyrl.rollout.models import build_class_policy, build_scheduler
     from steadyrl.services.runtime import free_port, set_rank_env
-    from steadyrl.trainer.learner import DeepSpeedLearner
+    from steadyrl.trainer.builders import build_deepspeed_learner
     from steadyrl.trainer.objectives.grpo import GRPOSettings
 
     set_rank_env(free_port())
     torch.manual_seed(0)
     sampler = DDIMLogProbSampler(DDIMSamplerConfig(num_steps=5), build_scheduler(SchedulerConfig()))
-    return DeepSpeedLearner(build_class_policy(TINY_UNET), sampler, GRPOSettings(eps_clip=0.2), cfg, seed=0)
+    return build_deepspeed_learner(build_class_policy(TINY_UNET), sampler, GRPOSettings(eps_clip=0.2), cfg, seed=0)
 
 
 def make_image_learner(sampler_cfg, objective_cfg, seed: int = 0, **learner_kw):
@@ -117,12 +126,12 @@ def make_image_learner(sampler_cfg, objective_cfg, seed: int = 0, **learner_kw):
     one inner epoch unless `learner_kw` says otherwise). The caller sets the rank environment."""
     from steadyrl.rollout.models import build_class_policy
     from steadyrl.rollout.samplers import build_sampler
-    from steadyrl.trainer.learner import DeepSpeedLearner
+    from steadyrl.trainer.builders import build_deepspeed_learner
 
     torch.manual_seed(seed)
     sampler = build_sampler(sampler_cfg, SchedulerConfig())
     cfg = LearnerConfig(**{"lr": 1e-3, "micro_batch_size": 8, "inner_epochs": 1, **learner_kw})
-    return DeepSpeedLearner(build_class_policy(TINY_UNET), sampler, objective_cfg, cfg, seed=seed)
+    return build_deepspeed_learner(build_class_policy(TINY_UNET), sampler, objective_cfg, cfg, seed=seed)
 
 
 def brightness_batch(learner, seed: int, n_per_class: int = 6):

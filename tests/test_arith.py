@@ -96,20 +96,20 @@ def test_the_sudoku_task_pretrains_samples_and_trains_in_process(tmp_path):
     from steadyrl.services.config import CONFIG_DIR, load_config
     from tests.helpers import train_local
 
-    overrides = ["arith.pretrain.iterations=10", "arith.pretrain.batch_size=16", "run.steps=1",
-                 "arith.eval_problems=6", "arith.prompts_per_step=2", "sampler.samples_per_class=4",
+    overrides = ["testbed.pretrain.iterations=10", "testbed.pretrain.batch_size=16", "run.steps=1",
+                 "testbed.eval_problems=6", "testbed.prompts_per_step=2", "sampler.group_size=4",
                  "learner.micro_batch_size=8", "learner.optim_batch_size=8"]
     cfg = load_config(CONFIG_DIR / "arith-sudoku-grpo.yaml", overrides)
     result, rows = train_local(CONFIG_DIR / "arith-sudoku-grpo.yaml", tmp_path / "run", overrides)
     assert result.steps_done == 1 and len(rows) == 1
-    assert result.final_eval["breakdown"] == {"16-digit answers": result.final_eval["gold_accuracy"]}
+    assert result.final_eval["breakdown"] == {"16-digit answers": result.final_eval["held_out"]}
     # what the run trains on (the partial-credit verifier) and monitors (the exact one), through the ensemble its
     # testbed builds: exact values on hand-built completions of the run's first training prompt
     from steadyrl.services.testbeds import build_testbed
 
     testbed = build_testbed(cfg)
     prompts, _ = testbed.train_prompts(0, 1, 0)
-    problem = testbed.task.problems(cfg.arith.train_seed, [0])[0]
+    problem = testbed.task.problems(cfg.testbed.train_seed, [0])[0]
     answer, givens = problem.answer, problem.prompt.rstrip("=").replace("|", "")
     assert TOKENIZER.decode(prompts[0]) == problem.prompt
     blanks = [i for i, c in enumerate(givens) if c == "0"]

@@ -36,13 +36,13 @@ def model_dir(tmp_path_factory):
 
 
 # the in-process run: 2 steps of GRPO on 4 prompts x 4 samples, evaluated (greedy) on 8 held-out problems
-RUN = ["arith.trust_remote_code=true", "run.steps=2", "arith.eval_problems=8", "arith.prompts_per_step=4",
-       "sampler.samples_per_class=4", "learner.micro_batch_size=16", "learner.optim_batch_size=16"]
+RUN = ["testbed.trust_remote_code=true", "run.steps=2", "testbed.eval_problems=8", "testbed.prompts_per_step=4",
+       "sampler.group_size=4", "learner.micro_batch_size=16", "learner.optim_batch_size=16"]
 MEMORISED = 6  # held-out problems 0-5 the model is taught; 6 and 7 it has never seen
 
 
 def run_config(model_dir):
-    return load_config(CONFIG_DIR / "arith-grpo.yaml", [f"arith.pretrained={model_dir}", *RUN])
+    return load_config(CONFIG_DIR / "arith-grpo.yaml", [f"testbed.pretrained={model_dir}", *RUN])
 
 
 @pytest.fixture(scope="module")
@@ -59,7 +59,7 @@ def memorising_model_dir(tmp_path_factory):
     model = write_tiny_llada(d, vocab_size=24, mask_token_id=23)
     write_char_tokenizer(d)
     testbed = build_testbed(run_config(d))
-    a = testbed.cfg.arith
+    a = testbed.settings
     problems = testbed.task.problems(a.eval_seed, range(MEMORISED)) + testbed.task.problems(a.train_seed, range(8))
     x = torch.cat([testbed.task.encode_prompts(problems, testbed.codec),
                    testbed.task.encode_completions(problems, testbed.codec)], 1).repeat(4, 1)
@@ -85,7 +85,7 @@ def memorising_model_dir(tmp_path_factory):
 def test_the_testbed_uses_the_models_tokenizer_and_mask_id(model_dir):
     from steadyrl.services.testbeds import build_testbed
 
-    cfg = load_config(CONFIG_DIR / "arith-grpo.yaml", [f"arith.pretrained={model_dir}", "arith.trust_remote_code=true"])
+    cfg = load_config(CONFIG_DIR / "arith-grpo.yaml", [f"testbed.pretrained={model_dir}", "testbed.trust_remote_code=true"])
     testbed = build_testbed(cfg)
     assert testbed.mask_token_id == 23 and testbed.codec.eos_id == 1
     prompts, _ = testbed.train_prompts(0, 1, 0)
@@ -115,13 +115,13 @@ def test_a_pretrained_model_trains_in_process_through_the_same_code(memorising_m
 
     cfg = run_config(memorising_model_dir)
     result, rows = train_local(CONFIG_DIR / "arith-grpo.yaml", tmp_path / "run",
-                               [f"arith.pretrained={memorising_model_dir}", *RUN, "run.eval_every=2"])
+                               [f"testbed.pretrained={memorising_model_dir}", *RUN, "run.eval_every=2"])
     evals = json.loads((result.run_dir / "evals.json").read_text())
     assert len(rows) == 2 and [e["step"] for e in evals] == [0, 2] and all(e["n_samples"] == 8 for e in evals)
 
     testbed = build_testbed(cfg)
     tokenizer = AutoTokenizer.from_pretrained(str(memorising_model_dir))
-    problems = testbed.task.problems(cfg.arith.eval_seed, range(8))
+    problems = testbed.task.problems(cfg.testbed.eval_seed, range(8))
     prompts = testbed.eval_prompts()
     assert [tokenizer.decode(p) for p in prompts] == [p.prompt for p in problems]
 
@@ -136,8 +136,8 @@ def test_a_pretrained_model_trains_in_process_through_the_same_code(memorising_m
     final = testbed.build_policy(load_file(str(result.run_dir / "checkpoints" / "step_2" / "policy.safetensors")))
     trained = final.state_dict()
     assert any(not torch.equal(v, trained[k]) for k, v in base.state_dict().items())  # the updates moved it
-    assert evals[0]["gold_accuracy"] == accuracy(base)
-    assert evals[-1]["gold_accuracy"] == accuracy(final)
+    assert evals[0]["held_out"] == accuracy(base)
+    assert evals[-1]["held_out"] == accuracy(final)
 
 
 def test_tied_weights_left_out_by_save_pretrained_are_rebuilt(tmp_path):

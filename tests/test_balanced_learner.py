@@ -42,12 +42,12 @@ def image_score(learner) -> float:
 
 
 def dllm_learner(balanced, **learner_kw):
-    from steadyrl.trainer.learner import DeepSpeedLearner
+    from steadyrl.trainer.builders import build_deepspeed_learner
     from steadyrl.trainer.objectives.bgpo import BGPOPaperSettings
 
-    return DeepSpeedLearner(tiny_lm(dtype=torch.float32), masked_sampler(mc_samples=2), BGPOPaperSettings(),
-                            LearnerConfig(**{"micro_batch_size": 8, "inner_epochs": 1, "balanced": balanced,
-                                             **learner_kw}))
+    return build_deepspeed_learner(tiny_lm(dtype=torch.float32), masked_sampler(mc_samples=2), BGPOPaperSettings(),
+                                   LearnerConfig(**{"micro_batch_size": 8, "inner_epochs": 1, "balanced": balanced,
+                                                    **learner_kw}))
 
 
 def dllm_batch(learner, seed):

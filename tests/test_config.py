@@ -11,10 +11,10 @@ from steadyrl.services.config import ConfigError, DEFAULT_CONFIG, load_config, p
 def test_default_config_loads_and_overrides_apply():
     cfg = load_config()
     assert cfg.objective.name == "grpo" and cfg.run.steps > 0
-    cfg = load_config(DEFAULT_CONFIG, ["learner.lr=3e-5", "run.steps=7", "reward.train_on=mean",
-                                       "model.block_out_channels=[16,32]"])
-    assert cfg.learner.lr == 3e-5 and cfg.run.steps == 7 and cfg.reward.train_on == "mean"
-    assert cfg.model.block_out_channels == (16, 32)
+    cfg = load_config(DEFAULT_CONFIG, ["learner.lr=3e-5", "run.steps=7", "testbed.reward.train_on=mean",
+                                       "testbed.model.block_out_channels=[16,32]"])
+    assert cfg.learner.lr == 3e-5 and cfg.run.steps == 7 and cfg.testbed.reward.train_on == "mean"
+    assert cfg.testbed.model.block_out_channels == (16, 32)
 
 
 @pytest.mark.parametrize("override, field", [
@@ -25,7 +25,7 @@ def test_default_config_loads_and_overrides_apply():
     ("sampler.logp_reduce=median", "sampler.logp_reduce"),
     ("nosuchsection.x=1", "nosuchsection"),
     ("serve.replica_cpus=1", "serve.replica_cpus"),
-    ("reward.train_on=gold", "reward"),
+    ("testbed.reward.train_on=gold", "reward"),
 ])
 def test_bad_key_or_value_names_the_field(override, field):
     with pytest.raises(ConfigError) as err:
@@ -63,20 +63,20 @@ def test_arith_presets_load_with_their_objective_and_the_masked_diffusion_sample
     from steadyrl.services.config import CONFIG_DIR
 
     cfg = load_config(CONFIG_DIR / f"{preset}.yaml")
-    assert cfg.testbed == "arith" and cfg.sampler.kind == "masked_diffusion"
+    assert cfg.testbed.name == "arith" and cfg.sampler.kind == "masked_diffusion"
     assert cfg.objective.name == {"arith-grpo": "grpo", "arith-stabledrl": "stabledrl.paper",
                                   "arith-stabledrl-code": "stabledrl.code", "arith-bgpo": "bgpo.paper",
                                   "arith-sudoku-grpo": "grpo"}[preset]
 
 
 @pytest.mark.parametrize("overrides, field", [
-    (["testbed=arith"], "sampler.kind=masked_diffusion"),
-    (["sampler.kind=masked_diffusion"], "testbed='digits'"),
-    (["testbed=arith", "sampler.kind=masked_diffusion", "ray.rollout_workers=20"], "ray.rollout_workers"),
-    (["testbed=arith", "sampler.kind=masked_diffusion", "sampler.gen_length=6", "sampler.block_length=4"],
+    (["testbed.name=arith"], "sampler.kind=masked_diffusion"),
+    (["sampler.kind=masked_diffusion"], "testbed 'digits'"),
+    (["testbed.name=arith", "sampler.kind=masked_diffusion", "ray.rollout_workers=20"], "ray.rollout_workers"),
+    (["testbed.name=arith", "sampler.kind=masked_diffusion", "sampler.gen_length=6", "sampler.block_length=4"],
      "block_length"),
-    (["testbed=arith", "sampler.kind=masked_diffusion", "sampler.estimator=exact"], "sampler.estimator"),
-    (["testbed=arith", "sampler.kind=masked_diffusion", "arith.task=chess"], "arith.task"),
+    (["testbed.name=arith", "sampler.kind=masked_diffusion", "sampler.estimator=exact"], "sampler.estimator"),
+    (["testbed.name=arith", "sampler.kind=masked_diffusion", "testbed.task=chess"], "testbed.task"),
 ])
 def test_a_testbed_and_sampler_that_do_not_fit_are_refused_by_name(overrides, field):
     with pytest.raises(ConfigError) as err:

@@ -7,7 +7,7 @@ import torch
 
 from steadyrl.rollout.arith import TOKENIZER
 from steadyrl.services.runtime import free_port, set_rank_env
-from steadyrl.trainer.objectives.base import StepInputs
+from steadyrl.trainer.objectives.base import TermInputs
 from steadyrl.trainer.objectives.bgpo import BGPOPaper, BGPOPaperSettings, bgpo_bound
 from tests.helpers import arith_prompts, masked_sampler, tiny_lm
 
@@ -40,9 +40,8 @@ def bgpo_loss_by_pieces(model, s, batch) -> float:
     obj, n, total = BGPOPaper(BGPOPaperSettings()), batch.old_logp.shape[1], 0.0
     for j in range(n):
         new = s.log_prob(model, batch, j).logp
-        ones = torch.ones(len(batch), dtype=torch.float64)
-        inputs = StepInputs(new_logp=new, old_logp=batch.old_logp[:, j], advantages=batch.advantages,
-                            step=torch.full((len(batch),), j), std=ones, dt=ones, n_terms=len(batch) * n)
+        inputs = TermInputs(new_logp=new, old_logp=batch.old_logp[:, j], advantages=batch.advantages,
+                            step=torch.full((len(batch),), j), n_terms=len(batch) * n)  # no Gaussian std / dt
         loss, _ = obj.loss(inputs, {})
         loss.backward()
         total += loss.item()
@@ -78,7 +77,7 @@ def test_the_learners_two_pass_pieces_give_the_single_graph_gradient():
     """GRPO on a sequence-level sampler: n backward passes (one per MC sample) give the gradient of
     -mean_i A_i rho_i, rho_i = exp(mean_j ell_j - mean_j ell_j^old), computed in one graph."""
     from steadyrl.trainer.config import LearnerConfig
-    from steadyrl.trainer.learner import DeepSpeedLearner
+    from steadyrl.trainer.builders import build_deepspeed_learner
     from steadyrl.trainer.objectives.grpo import GRPOSettings
 
     model = tiny_lm(dtype=torch.float32)
@@ -86,8 +85,9 @@ def test_the_learners_two_pass_pieces_give_the_single_graph_gradient():
     batch = batch.replace(advantages=None, old_logp=batch.old_logp.float(),
                           rewards=batch.advantages.float().unsqueeze(1), reward_names=["r"], reward_key="r")
     reference = tiny_lm(dtype=torch.float32)
-    learner = DeepSpeedLearner(tiny_lm(dtype=torch.float32), s, GRPOSettings(eps_clip=0.5),
-                               LearnerConfig(micro_batch_size=4, optim_batch_size=12, inner_epochs=1, grad_clip=1e9))
+    learner = build_deepspeed_learner(tiny_lm(dtype=torch.float32), s, GRPOSettings(eps_clip=0.5),
+                                      LearnerConfig(micro_batch_size=4, optim_batch_size=12, inner_epochs=1,
+                                                    grad_clip=1e9))
     prepared, _ = learner.objective.prepare_batch(batch)
     loss = -(prepared.advantages * (torch.stack([s.log_prob(reference, prepared, j).logp for j in range(4)], 1).mean(1)
                                     - prepared.old_logp.mean(1)).exp()).mean()
@@ -104,12 +104,12 @@ def test_grpo_on_masked_diffusion_raises_the_reward_of_a_token():
     r_i = log pi_ref(y_i) - log pi_theta(y_i), each log pi the mean over the batch's MC mask samples, pi_ref the
     initial policy (GRPO never resets it) -- recomputed here in float64 numpy from the two models' log-probs."""
     from steadyrl.trainer.config import LearnerConfig
-    from steadyrl.trainer.learner import DeepSpeedLearner
+    from steadyrl.trainer.builders import build_deepspeed_learner
     from steadyrl.trainer.objectives.grpo import GRPOSettings
 
     s = masked_sampler(mc_samples=2, gen_length=4, num_steps=4)
-    learner = DeepSpeedLearner(tiny_lm(dtype=torch.float32), s, GRPOSettings(eps_clip=0.2, kl_coef=0.01),
-                               LearnerConfig(lr=3e-3, micro_batch_size=16, inner_epochs=1))
+    learner = build_deepspeed_learner(tiny_lm(dtype=torch.float32), s, GRPOSettings(eps_clip=0.2, kl_coef=0.01),
+                                      LearnerConfig(lr=3e-3, micro_batch_size=16, inner_epochs=1))
     reference = tiny_lm(dtype=torch.float32)  # the weights the learner started from
     one = TOKENIZER.encode("1")[0]
 
@@ -150,7 +150,7 @@ def test_eubo_pieces_sum_to_the_one_graph_eubo_gradient():
 
     model = tiny_lm()
     s, batch = rollout(model)
-    samples = [s.log_prob(model, batch, j).tokens for j in range(4)]
+    samples = [s.log_prob(model, batch, j) for j in range(4)]
     q, eubo = eubo_statistics(samples, 1.5)
     # the definition, written out: q_i = mean_j p_ij^beta m_ij / t_j; EUBO = mean_{i: q_i > 0} log q_i / beta
     t = [smp.mask.double().mean(-1, keepdim=True) for smp in samples]
@@ -161,9 +161,9 @@ def test_eubo_pieces_sum_to_the_one_graph_eubo_gradient():
     g_one = grads(model)
     model.zero_grad()
     with torch.no_grad():
-        q, eubo = eubo_statistics([s.log_prob(model, batch, j).tokens for j in range(4)], 1.5)
+        q, eubo = eubo_statistics([s.log_prob(model, batch, j) for j in range(4)], 1.5)
     for j in range(4):
-        piece = eubo_piece(s.log_prob(model, batch, j).tokens, q, eubo, 1.5, 4)
+        piece = eubo_piece(s.log_prob(model, batch, j), q, eubo, 1.5, 4)
         assert torch.allclose(piece.detach(), eubo, atol=1e-12)
         (-piece.sum()).backward()
     assert torch.allclose(grads(model), g_one, atol=1e-12, rtol=1e-9)
@@ -172,7 +172,7 @@ def test_eubo_pieces_sum_to_the_one_graph_eubo_gradient():
 def test_stabledrl_code_sandwich_through_the_learner_matches_one_graph():
     """stabledrl.code on a dLLM: -sum_i w_i A_i J_i, J the SPG sandwich, w softmax within each group."""
     from steadyrl.trainer.config import LearnerConfig
-    from steadyrl.trainer.learner import DeepSpeedLearner
+    from steadyrl.trainer.builders import build_deepspeed_learner
     from steadyrl.trainer.objectives.sandwich import eubo_statistics, sandwich
     from steadyrl.trainer.objectives.stabledrl_code import StableDRLCodeSettings
 
@@ -181,13 +181,14 @@ def test_stabledrl_code_sandwich_through_the_learner_matches_one_graph():
     batch = batch.replace(advantages=None, old_logp=batch.old_logp.float(),
                           rewards=batch.advantages.float().unsqueeze(1), reward_names=["r"], reward_key="r")
     cfg = StableDRLCodeSettings(softmax_over="group")
-    learner = DeepSpeedLearner(tiny_lm(dtype=torch.float32), s, cfg,
-                               LearnerConfig(micro_batch_size=4, optim_batch_size=12, inner_epochs=1, grad_clip=1e9))
+    learner = build_deepspeed_learner(tiny_lm(dtype=torch.float32), s, cfg,
+                                      LearnerConfig(micro_batch_size=4, optim_batch_size=12, inner_epochs=1,
+                                                    grad_clip=1e9))
     prepared, _ = learner.objective.prepare_batch(batch)
     reference = tiny_lm(dtype=torch.float32)
     passes = [s.log_prob(reference, prepared, j) for j in range(4)]
     elbo = torch.stack([p.logp for p in passes], 1).mean(1)
-    _, eubo = eubo_statistics([p.tokens for p in passes], cfg.eubo_beta)
+    _, eubo = eubo_statistics(passes, cfg.eubo_beta)
     w = torch.full((12,), 1 / 4 / 3)  # on policy: log rho = 0, uniform within each of the 3 groups of 4
     loss = -(w * prepared.advantages * sandwich(elbo, eubo, prepared.advantages, cfg.eubo_mix)).sum()
     loss.backward()

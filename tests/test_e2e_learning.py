@@ -37,8 +37,8 @@ def flow_run(ray_cluster, serve_port, tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("flow") / "run"
     result = train(CONFIG_DIR / "digits-flow-grpo.yaml",
                    [f"run.run_dir={run_dir}", "run.steps=20", "run.eval_every=20", "run.checkpoint_every=20",
-                    "run.eval_samples_per_class=30", "run.progress=false", "serve.port=0",
-                    "sampler.samples_per_class=8"])
+                    "testbed.eval_samples_per_class=30", "run.progress=false", "serve.port=0",
+                    "sampler.group_size=8"])
     assert not result.interrupted and result.steps_done == 20
     return result
 
@@ -49,7 +49,7 @@ def test_rectified_flow_preset_learns_through_the_same_services(flow_run):
     last5 = sum(r["reward/train_mean"] for r in rows[-5:]) / 5
     assert last5 >= first + 0.05, (first, last5)
     base, final = flow_run.base_eval, flow_run.final_eval
-    assert final["gold_accuracy"] >= base["gold_accuracy"] + 0.05, (base["gold_accuracy"], final["gold_accuracy"])
+    assert final["held_out"] >= base["held_out"] + 0.05, (base["held_out"], final["held_out"])
     assert max(r["policy/rollout_logp_absdiff_max"] for r in rows) < 1e-3
 
 
@@ -61,7 +61,7 @@ def test_rl_improves_proxy_reward_and_gold_accuracy(smoke_run):
     base, final = smoke_run.base_eval, smoke_run.final_eval
     assert base["step"] == 0 and final["step"] == 30
     assert base["n_samples"] == final["n_samples"] == 300  # same seed: the same initial noise
-    assert final["gold_accuracy"] >= base["gold_accuracy"] + 0.05, (base["gold_accuracy"], final["gold_accuracy"])
+    assert final["held_out"] >= base["held_out"] + 0.05, (base["held_out"], final["held_out"])
 
 
 def test_run_folder_has_config_metrics_plots_checkpoints_and_logs(smoke_run):
@@ -69,7 +69,7 @@ def test_run_folder_has_config_metrics_plots_checkpoints_and_logs(smoke_run):
     rows = read_metrics(d)
     assert [r["step"] for r in rows] == list(range(1, 31))
     for key in ("timing_s/rollout", "timing_s/reward", "timing_s/update", "timing_s/sync", "policy/kl_ref_monitor",
-                "policy/clip_frac", "policy/grad_norm", "reward/gold_accuracy", "diversity/nn_distance"):
+                "policy/clip_frac", "policy/grad_norm", "reward/held_out", "diversity/nn_distance"):
         assert key in rows[0], key
     # float32 ratio invariant (b): recompute vs rollout stays below the alarm level every step
     assert max(r["policy/rollout_logp_absdiff_max"] for r in rows) < 1e-3
@@ -88,9 +88,9 @@ def test_eval_cli_scores_the_latest_checkpoint(smoke_run):
     result = CliRunner().invoke(app, ["eval", str(smoke_run.run_dir)])
     assert result.exit_code == 0, result.output
     out = json.loads((smoke_run.run_dir / "eval_step_30" / "eval.json").read_text())
-    assert out["n_samples"] == 300 and len(out["gold_accuracy_per_class"]) == 10
+    assert out["n_samples"] == 300 and len(out["held_out_per_class"]) == 10
     # same weights and seeded noise as the controller's final eval (float32 numerics may differ slightly)
-    assert abs(out["gold_accuracy"] - smoke_run.final_eval["gold_accuracy"]) <= 0.03
+    assert abs(out["held_out"] - smoke_run.final_eval["held_out"]) <= 0.03
     assert (smoke_run.run_dir / "eval_step_30" / "samples.png").exists()
 
 
@@ -125,8 +125,8 @@ def test_new_objectives_run_through_the_services_and_log_their_diagnostics(ray_c
 
     preset = CONFIG_DIR / f"digits-{objective.replace('.', '-')}.yaml"
     result = train(preset, [f"run.run_dir={tmp_path / 'run'}", "run.steps=2", "run.eval_every=100",
-                            "run.checkpoint_every=2", "run.eval_samples_per_class=2", "run.progress=false",
-                            "serve.port=0", "sampler.samples_per_class=4"])
+                            "run.checkpoint_every=2", "testbed.eval_samples_per_class=2", "run.progress=false",
+                            "serve.port=0", "sampler.group_size=4"])
     assert result.steps_done == 2
     rows = read_metrics(result.run_dir)
     for key in own_keys + ["policy/grad_norm", "policy/kl_ref_monitor"]:

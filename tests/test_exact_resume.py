@@ -75,8 +75,8 @@ def test_killed_and_resumed_run_equals_the_run_that_went_straight_through(ray_cl
     assert [r["step"] for r in b] == list(range(1, 7))
     assert computed_metrics(a) == computed_metrics(b)  # bitwise: floats written by json round-trip exactly
     evals = [json.loads((d / "evals.json").read_text()) for d in (straight.run_dir, killed)]
-    assert [(e["step"], e["gold_accuracy"], e["proxy_mean"]) for e in evals[0]] == \
-           [(e["step"], e["gold_accuracy"], e["proxy_mean"]) for e in evals[1]]
+    assert [(e["step"], e["held_out"], e["proxy_mean"]) for e in evals[0]] == \
+           [(e["step"], e["held_out"], e["proxy_mean"]) for e in evals[1]]
     for name in ("policy.safetensors", "reference.safetensors"):
         p, q = (load_file(str(d / "checkpoints" / "step_6" / name)) for d in (straight.run_dir, killed))
         assert p.keys() == q.keys()

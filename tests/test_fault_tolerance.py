@@ -19,7 +19,7 @@ from steadyrl.services.retry import is_process_failure, with_retries
 from steadyrl.services.serving import APP_NAME
 from tests.helpers import SMOKE_SHORT, actor_pid, computed_metrics, steps_logged, train_in_thread, wait_for
 
-SAMPLES_PER_STEP = 10 * 4  # ten digit classes x sampler.samples_per_class=4
+SAMPLES_PER_STEP = 10 * 4  # ten digit classes x sampler.group_size=4
 
 
 def _alive(pid: int) -> bool:

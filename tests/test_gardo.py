@@ -10,7 +10,7 @@ import torch
 from steadyrl.reward.diversity import cosine_nearest_neighbour_distance
 from steadyrl.reward.uncertainty import descending_ranks, kendall_gate_score, rank_difference_uncertainty
 from steadyrl.rollout.batch import RolloutBatch
-from steadyrl.trainer.objectives import StepInputs, build_objective
+from steadyrl.trainer.objectives import TermInputs, build_objective
 from steadyrl.trainer.objectives.gardo import (GARDOPaperSettings, adapt_beta, aux_scores, diversity_advantages,
                                       percentile_gate)
 from steadyrl.trainer.objectives.gardo_seed import GARDOSeedSettings
@@ -120,7 +120,7 @@ def step_inputs(kl, gate, n_terms, dt=0.25):
     b = len(kl)
     micro = make_batch(np.zeros((b, 2)), ["proxy", "aux"]).with_extras(gardo_gate=torch.tensor(gate))
     lp = torch.zeros(b, dtype=torch.float64, requires_grad=True)
-    return StepInputs(new_logp=lp, old_logp=torch.zeros(b, dtype=torch.float64),
+    return TermInputs(new_logp=lp, old_logp=torch.zeros(b, dtype=torch.float64),
                       advantages=torch.linspace(-1, 1, b, dtype=torch.float64), step=torch.zeros(b, dtype=torch.long),
                       std=torch.ones(b, dtype=torch.float64), dt=torch.full((b,), dt, dtype=torch.float64),
                       n_terms=n_terms, kl_ref=kl, micro=micro)
@@ -283,15 +283,15 @@ def test_gardo_paper_in_the_deepspeed_learner_resets_the_reference_on_schedule()
     from steadyrl.trainer.config import LearnerConfig
 
     set_rank_env(free_port())
-    from steadyrl.trainer.learner import DeepSpeedLearner
+    from steadyrl.trainer.builders import build_deepspeed_learner
 
     torch.manual_seed(0)
     tiny = UNetConfig(block_out_channels=(8, 16), norm_num_groups=4)
     sampler = DDIMLogProbSampler(DDIMSamplerConfig(num_steps=5), build_scheduler(SchedulerConfig()))
     # the KL threshold is out of reach: the reset below comes from the period alone
     cfg = GARDOPaperSettings(eps_clip=0.2, kl_coef=0.05, ref_reset_every=1, ref_kl_threshold=1e9)
-    learner = DeepSpeedLearner(build_class_policy(tiny), sampler, cfg,
-                               LearnerConfig(lr=1e-3, micro_batch_size=8, inner_epochs=1), seed=0)
+    learner = build_deepspeed_learner(build_class_policy(tiny), sampler, cfg,
+                                      LearnerConfig(lr=1e-3, micro_batch_size=8, inner_epochs=1), seed=0)
     assert learner.objective.needs_reference
     b = sampler.sample(learner.policy, torch.arange(4), 6, torch.Generator().manual_seed(0))
     x = b.samples.flatten(1)

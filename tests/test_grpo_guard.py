@@ -14,7 +14,7 @@ from steadyrl.rollout.models import build_scheduler, build_class_policy
 from steadyrl.rollout.sampler import gaussian_logp
 from steadyrl.services.runtime import free_port, set_rank_env
 from steadyrl.trainer.config import LearnerConfig
-from steadyrl.trainer.objectives import StepInputs, build_objective
+from steadyrl.trainer.objectives import TermInputs, build_objective
 from steadyrl.trainer.objectives.grpo_guard import GRPOGuardPaperSettings, normalised_log_ratio
 from steadyrl.trainer.objectives.reward_backprop import DraftSettings, GRPOGuardSeedSettings
 
@@ -24,12 +24,12 @@ F64 = torch.float64
 
 def make_learner(sampler, settings, lr=1e-3, micro=8, optim=None, reward_fn=None, seed=0):
     set_rank_env(free_port())
-    from steadyrl.trainer.learner import DeepSpeedLearner
+    from steadyrl.trainer.builders import build_deepspeed_learner
 
     torch.manual_seed(seed)
-    return DeepSpeedLearner(build_class_policy(TINY), sampler, settings,
-                            LearnerConfig(lr=lr, micro_batch_size=micro, optim_batch_size=optim, inner_epochs=1),
-                            seed=seed, reward_fn=reward_fn)
+    return build_deepspeed_learner(build_class_policy(TINY), sampler, settings,
+                                   LearnerConfig(lr=lr, micro_batch_size=micro, optim_batch_size=optim, inner_epochs=1),
+                                   seed=seed, reward_fn=reward_fn)
 
 
 def scored(batch, reward):
@@ -107,7 +107,7 @@ def test_guard_loss_is_the_clipped_normalised_ratio_over_dt_summed_over_n_terms(
     obj = build_objective(GRPOGuardPaperSettings(eps_clip=1e-3, kl_coef=0.5, bias="sample"))
     new_lp, old_lp = gaussian_logp(x, mu_new, s, "mean"), gaussian_logp(x, mu_old, s, "mean")
     kl = torch.tensor([0.1, 0.0, 0.2, 0.3], dtype=F64)
-    loss, m = obj.loss(StepInputs(new_logp=new_lp, old_logp=old_lp.detach(), advantages=adv, step=step, std=s, dt=dt,
+    loss, m = obj.loss(TermInputs(new_logp=new_lp, old_logp=old_lp.detach(), advantages=adv, step=step, std=s, dt=dt,
                                   n_terms=10, new_mean=mu_new, old_mean=mu_old, kl_ref=kl), {})
     ratio = (z * (mu_new - mu_old)).mean(dim=(1, 2, 3)).detach().exp()
     assert ((ratio - 1).abs() > 1e-3).any() and ((ratio - 1).abs() <= 1e-3).any()  # both sides of the clip
@@ -294,7 +294,7 @@ def test_draft_surrogate_gradient_equals_minus_the_gradient_of_the_mean_reward()
 
     learner._backward = accumulate
     policy.zero_grad(set_to_none=True)
-    learner._reward_backprop_step(micro, olds, MetricSums())
+    learner._optimisation_step(micro, olds, MetricSums())  # the reward back-propagation path
     surrogate = {n: p.grad.clone() for n, p in policy.named_parameters()}
 
     plain = build_class_policy(TINY)  # the same weights outside the engine, for plain autograd

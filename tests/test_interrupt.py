@@ -25,7 +25,7 @@ def test_sigint_stops_cleanly_and_keeps_the_last_checkpoint(tmp_path):
     run = tmp_path / "run"
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}  # its own local Ray, as a user's
     proc = subprocess.Popen(
-        [sys.executable, "-m", "steadyrl.services.job", "configs/smoke.yaml", f"run.run_dir={run}", "run.steps=500", "run.eval_samples_per_class=2",
+        [sys.executable, "-m", "steadyrl.services.job", "configs/smoke.yaml", f"run.run_dir={run}", "run.steps=500", "testbed.eval_samples_per_class=2",
          "run.checkpoint_every=2"],
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True, env=env,
         preexec_fn=_default_sigint,

@@ -46,7 +46,7 @@ def test_job_runs_on_a_running_cluster_from_a_clashing_project_and_leaves_it_up(
     env.pop("PYTHONPATH", None)
     proc = subprocess.run(
         [sys.executable, "-m", "steadyrl.services.job", str(ROOT / "configs/smoke.yaml"), f"run.run_dir={run}",
-         "run.steps=2", "run.eval_every=2", "run.checkpoint_every=2", "run.eval_samples_per_class=4"],
+         "run.steps=2", "run.eval_every=2", "run.checkpoint_every=2", "testbed.eval_samples_per_class=4"],
         cwd=clashing_project(tmp_path), env=env, capture_output=True, text=True, timeout=400,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

@@ -9,7 +9,7 @@ from steadyrl.rollout.models import build_class_policy
 from steadyrl.rollout.samplers import build_sampler
 from steadyrl.services.config import load_config
 
-TINY = ["model.block_out_channels=[8,16]", "model.norm_num_groups=4", "sampler.num_steps=4",
+TINY = ["testbed.model.block_out_channels=[8,16]", "testbed.model.norm_num_groups=4", "sampler.num_steps=4",
         "objective.timestep_fraction=1.0", "learner.micro_batch_size=6", "learner.optim_batch_size=24",
         "learner.inner_epochs=2", "learner.lr=1e-3", "ray.actor_cpus=0.25"]
 
@@ -23,9 +23,9 @@ def base_and_batch():
     """Random tiny UNet weights and one scored batch of 4 prompt groups x 6 samples (reward: brightness)."""
     cfg = tiny_cfg()
     torch.manual_seed(0)
-    policy = build_class_policy(cfg.model)
+    policy = build_class_policy(cfg.testbed.model)
     weights = {k: v.clone() for k, v in policy.net.state_dict().items()}  # what testbed.base_weights holds
-    sampler = build_sampler(cfg.sampler, cfg.scheduler)
+    sampler = build_sampler(cfg.sampler, cfg.testbed.scheduler)
     batch = sampler.sample(policy, torch.arange(4), 6, torch.Generator().manual_seed(1))
     reward = batch.samples.mean(dim=(1, 2, 3))
     return weights, batch.replace(rewards=reward[:, None], reward_names=["bright"], reward_key="bright")

@@ -40,11 +40,11 @@ def inputs(n: int = 4):
 @pytest.fixture(scope="module")
 def learner():
     set_rank_env(free_port())
-    from steadyrl.trainer.learner import DeepSpeedLearner
+    from steadyrl.trainer.builders import build_deepspeed_learner
 
     sampler = DDIMLogProbSampler(DDIMSamplerConfig(num_steps=5), build_scheduler(SchedulerConfig()))
-    return DeepSpeedLearner(lora_policy(), sampler, GRPOSettings(eps_clip=0.2, kl_coef=0.01),
-                            LearnerConfig(lr=3e-3, micro_batch_size=8, inner_epochs=1), seed=0)
+    return build_deepspeed_learner(lora_policy(), sampler, GRPOSettings(eps_clip=0.2, kl_coef=0.01),
+                                   LearnerConfig(lr=3e-3, micro_batch_size=8, inner_epochs=1), seed=0)
 
 
 def test_only_adapters_are_trainable_and_the_fresh_adapters_leave_the_network_unchanged():

@@ -158,11 +158,11 @@ def test_independent_masks_are_redrawn_for_the_new_policy_and_kept_for_the_old()
 
 
 def test_k3_kl_is_zero_on_equal_likelihoods_and_positive_otherwise():
-    from steadyrl.rollout.sampler import StepLogProb
+    from steadyrl.rollout.sampler import LogProb
 
     s = masked_sampler()
-    new = StepLogProb(torch.tensor([-2.0, -3.0, -1.0], dtype=torch.float64), None, None)
-    ref = StepLogProb(torch.tensor([-2.0, -2.5, -4.0], dtype=torch.float64), None, None)
+    new = LogProb(torch.tensor([-2.0, -3.0, -1.0], dtype=torch.float64))
+    ref = LogProb(torch.tensor([-2.0, -2.5, -4.0], dtype=torch.float64))
     kl = s.kl(new, ref)
     d = ref.logp - new.logp
     assert kl[0] == 0 and (kl[1:] > 0).all() and torch.allclose(kl, d.exp() - d - 1)

@@ -7,7 +7,7 @@ import torch
 from steadyrl.rollout.batch import RolloutBatch
 from steadyrl.trainer.advantages import group_advantages
 from steadyrl.trainer.kl import gaussian_kl_same_std
-from steadyrl.trainer.objectives import StepInputs, available, build_objective, objective_class
+from steadyrl.trainer.objectives import TermInputs, available, build_objective, objective_class
 from steadyrl.trainer.objectives.grpo import GRPOSettings, ppo_clip_loss
 
 
@@ -38,7 +38,7 @@ def test_grpo_loss_at_ratio_one_is_minus_mean_advantage_and_kl_adds_linearly():
     obj = build_objective(GRPOSettings(eps_clip=0.1, kl_coef=0.5))
     lp = torch.tensor([-1.0, -2.0, -3.0], requires_grad=True)
     adv = torch.tensor([1.0, -0.5, 2.0])
-    loss, m = obj.loss(StepInputs(new_logp=lp, old_logp=lp.detach(), advantages=adv, step=torch.zeros(3, dtype=torch.long),
+    loss, m = obj.loss(TermInputs(new_logp=lp, old_logp=lp.detach(), advantages=adv, step=torch.zeros(3, dtype=torch.long),
                                   std=torch.ones(3), dt=torch.ones(3), n_terms=3,
                                   kl_ref=torch.tensor([0.2, 0.4, 0.0])), {})
     assert loss.item() == pytest.approx(-adv.mean().item() + 0.5 * 0.2)

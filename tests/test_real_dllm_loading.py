@@ -66,7 +66,7 @@ def bert_dir(tmp_path_factory):
 
 def _sampler(mask_id: int, temperature: float = 0.0, estimator: str = "elbo"):
     cfg = MaskedDiffusionSamplerConfig(num_steps=4, gen_length=4, block_length=2, temperature=temperature,
-                                       estimator=estimator, mc_samples=3, samples_per_class=2)
+                                       estimator=estimator, mc_samples=3, group_size=2)
     return build_sampler(cfg, mask_token_id=mask_id)
 
 

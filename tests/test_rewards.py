@@ -83,7 +83,7 @@ def test_combine_scores_mean_std_and_training_column():
 
 def test_in_process_ensemble_scores_real_digits(models):
     members, gold = models
-    ens = RewardEnsemble(members, "cnn", [gold], members[0])
+    ens = RewardEnsemble(members, "cnn", [gold], members[0], correct=["gold"])
     images, labels = load_digits_tensors()
     idx = torch.as_tensor(digit_splits().test[:40])
     out = ens.score_all(images[idx], labels[idx], labels[idx])

@@ -41,8 +41,8 @@ def test_a_pipelined_local_run_resumes_to_the_same_run(tmp_path):
     equal the straight run's bitwise."""
     import shutil
 
-    overrides = ["run.steps=3", "run.checkpoint_every=1", "learner.max_staleness=1", "sampler.samples_per_class=4",
-                 "run.eval_samples_per_class=2"]
+    overrides = ["run.steps=3", "run.checkpoint_every=1", "learner.max_staleness=1", "sampler.group_size=4",
+                 "testbed.eval_samples_per_class=2"]
     straight, rows = train_local(CONFIG_DIR / "smoke.yaml", tmp_path / "straight", overrides)
     state = json.loads((straight.run_dir / "checkpoints" / "step_1" / "controller.json").read_text())
     assert state["pending"] == {"1": 0} and [r["async/staleness_max"] for r in rows] == [0.0, 1.0, 1.0]

@@ -31,3 +31,27 @@ def test_float64_recompute_matches_rollout_for_any_microbatch_split(kind, batch_
     steps = sampler.trainable_steps[torch.arange(batch_size) % len(sampler.trainable_steps)]
     lp = sampler.log_prob(model, batch, steps).logp
     assert torch.allclose(lp, batch.old_logp[torch.arange(batch_size), steps], rtol=0, atol=1e-9)
+
+
+def test_every_sampler_is_a_sampler_and_only_the_gaussian_family_has_step_std_and_dt():
+    """The `Sampler` protocol is what the learner types against; masked diffusion fills no Gaussian fields."""
+    from steadyrl.rollout.likelihood import SequenceLogProb
+    from steadyrl.rollout.sampler import GaussianStepSampler, Sampler, SequenceSampler, StepLogProb
+    from tests.helpers import arith_prompts, masked_sampler, tiny_lm
+
+    torch.manual_seed(0)
+    model = build_class_policy(TINY).to(torch.float64)
+    for kind, cfg in SAMPLERS.items():
+        sampler = build_sampler(cfg, SchedulerConfig())
+        assert isinstance(sampler, Sampler) and isinstance(sampler, GaussianStepSampler), kind
+        batch = sampler.sample(model, torch.arange(3), 1, torch.Generator().manual_seed(0), dtype=torch.float64)
+        step = sampler.trainable_steps[0]
+        out = sampler.log_prob(model, batch, int(step))
+        assert isinstance(out, StepLogProb) and out.std.shape == out.dt.shape == (3,), kind
+        assert torch.equal(out.dt, sampler.dt[torch.full((3,), int(step))])
+    lm, masked = tiny_lm(), masked_sampler(mc_samples=2, gen_length=4, num_steps=4)
+    assert isinstance(masked, SequenceSampler) and not isinstance(masked, GaussianStepSampler)
+    assert not hasattr(masked, "std") and not hasattr(masked, "dt")
+    batch = masked.sample(lm, arith_prompts(2), 2, torch.Generator().manual_seed(0))
+    out = masked.log_prob(lm, batch, 0)
+    assert isinstance(out, SequenceLogProb) and not hasattr(out, "std") and not hasattr(out, "mean")

@@ -18,6 +18,9 @@ import pytest
 import schemathesis
 from hypothesis import HealthCheck, Phase, given, settings
 
+from steadyrl.services.testbeds import ArithSettings
+from tests.helpers import make_testbed
+
 MAX_EXAMPLES = 40
 FUZZ_SETTINGS = settings(max_examples=MAX_EXAMPLES, derandomize=True, deadline=None, database=None,
                          phases=[Phase.explicit, Phase.generate], suppress_health_check=list(HealthCheck))
@@ -30,12 +33,11 @@ def arith_url(serve_port):
     """The arith verifier app, with a bearer token and a small sample limit (deleted at the end)."""
     from ray import serve
 
-    from steadyrl.reward.verifiers import VerifierSpec
     from steadyrl.services.config import ServeConfig
     from steadyrl.services.serving import deploy_reward_app
 
     os.environ[TOKEN_ENV] = TOKEN
-    deploy_reward_app(VerifierSpec(), ServeConfig(max_request_samples=8, auth_token_env=TOKEN_ENV), name=ARITH_APP,
+    deploy_reward_app(make_testbed(ArithSettings()), ServeConfig(max_request_samples=8, auth_token_env=TOKEN_ENV), name=ARITH_APP,
                       route_prefix=ARITH_PREFIX)
     yield f"http://127.0.0.1:{serve_port}{ARITH_PREFIX}"
     serve.delete(ARITH_APP)

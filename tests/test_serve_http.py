@@ -15,6 +15,8 @@ import pytest
 import torch
 
 from steadyrl.rollout.digits import digit_splits, load_digits_tensors
+from steadyrl.services.testbeds import ArithSettings, DigitsSettings
+from tests.helpers import make_testbed
 
 GUARDED_APP, GUARDED_PREFIX = "reward_guarded_test", "/reward_guarded_test"
 TOKEN_ENV, TOKEN = "STEADYRL_TEST_REWARD_TOKEN", "t0ken-for-the-http-tests"
@@ -220,13 +222,12 @@ def guarded_url(serve_port):
     """The arith verifier app with a bearer token, at most MAX_SAMPLES samples and MAX_BODY bytes."""
     from ray import serve
 
-    from steadyrl.reward.verifiers import VerifierSpec
     from steadyrl.services.config import ServeConfig
     from steadyrl.services.serving import deploy_reward_app
 
     os.environ[TOKEN_ENV] = TOKEN
     cfg = ServeConfig(max_request_samples=MAX_SAMPLES, max_body_bytes=MAX_BODY, auth_token_env=TOKEN_ENV)
-    deploy_reward_app(VerifierSpec(), cfg, name=GUARDED_APP, route_prefix=GUARDED_PREFIX)
+    deploy_reward_app(make_testbed(ArithSettings()), cfg, name=GUARDED_APP, route_prefix=GUARDED_PREFIX)
     yield f"http://127.0.0.1:{serve_port}{GUARDED_PREFIX}"
     serve.delete(GUARDED_APP)
     os.environ.pop(TOKEN_ENV, None)
@@ -329,14 +330,13 @@ def test_only_the_tokens_digest_reaches_the_replicas(monkeypatch):
     """The app's bound arguments (what Serve ships to, and keeps for, its replicas) hold a SHA-256, not the token."""
     import hashlib
 
-    from steadyrl.reward.verifiers import VerifierSpec
     from steadyrl.services.config import ServeConfig
     from steadyrl.services.serving import build_reward_app
 
     monkeypatch.setenv(TOKEN_ENV, TOKEN)
     from ray import cloudpickle
 
-    app = build_reward_app(VerifierSpec(), ServeConfig(auth_token_env=TOKEN_ENV))
+    app = build_reward_app(make_testbed(ArithSettings()), ServeConfig(auth_token_env=TOKEN_ENV))
     shipped = cloudpickle.dumps(app._bound_deployment)
     assert TOKEN.encode() not in shipped
     assert hashlib.sha256(TOKEN.encode()).hexdigest().encode() in shipped
@@ -370,11 +370,13 @@ def test_the_rayservice_builder_builds_the_app_a_config_describes():
     rest, digest = settings.rest, settings.digest
     assert rest.max_samples == 7 and rest.token_sha256 is None
     # the digest a run compares before reusing a running app: it moves with what the app is built from
-    from steadyrl.reward.verifiers import VerifierSpec
     from steadyrl.services.config import ServeConfig
     from steadyrl.services.serving import app_digest
+    from steadyrl.services.testbeds import ArithTestbed
 
-    spec = VerifierSpec(task="addition")
+    spec, rest = make_testbed(ArithSettings(task="addition")).reward_spec(), ArithTestbed.rest
     assert len(digest) == 64
-    assert app_digest(spec, ServeConfig()) == app_digest(spec, ServeConfig(port=1234, max_retries=0))
-    assert app_digest(spec, ServeConfig()) != app_digest(spec, ServeConfig(max_request_samples=7))
+    assert app_digest(spec, rest, ServeConfig()) == app_digest(spec, rest, ServeConfig(port=1234, max_retries=0))
+    assert app_digest(spec, rest, ServeConfig()) != app_digest(spec, rest, ServeConfig(max_request_samples=7))
+    digits = make_testbed(DigitsSettings())
+    assert app_digest(digits.reward_spec(), digits.rest, ServeConfig()) != app_digest(spec, rest, ServeConfig())

@@ -17,6 +17,7 @@ from PIL import Image
 
 from steadyrl.reward.config import ImageRewardConfig
 from steadyrl.reward.factory import AestheticSpec, ClipScoreSpec, JpegSpec
+from tests.helpers import make_testbed
 from tests.tiny_models import save_tiny_aesthetic_head, save_tiny_clip
 
 DIM, SIZE = 16, 32
@@ -44,7 +45,7 @@ def cfg(tiny) -> ImageRewardConfig:
 
 @pytest.fixture(scope="module")
 def ensemble(cfg):
-    return cfg.build_ensemble()
+    return cfg.ensemble_spec().build()
 
 
 @pytest.fixture(scope="module")
@@ -52,8 +53,10 @@ def images_url(serve_port, cfg):
     from ray import serve
 
     from steadyrl.services.serving import deploy_reward_app
+    from steadyrl.services.testbeds import TextToImageSettings
 
-    deploy_reward_app(cfg, name=APP, route_prefix=PREFIX)
+    deploy_reward_app(make_testbed(TextToImageSettings(pretrained="not-loaded-by-the-reward-app", reward=cfg)),
+                      name=APP, route_prefix=PREFIX)
     yield f"http://127.0.0.1:{serve_port}{PREFIX}"
     serve.delete(APP)
 
@@ -86,7 +89,7 @@ def test_default_config_needs_no_download_and_scores_prompted_images():
     cfg = ImageRewardConfig()
     assert [(m.kind, m.upscale) for m in cfg.models] == [("jpeg", 1)]
     assert cfg.train_on == "mean" and cfg.monitor_specs() == [] and cfg.feature_model_name() is None
-    out = cfg.build_ensemble().score_all(model_space(pixels(3)), ["a", "b", "c"])
+    out = cfg.ensemble_spec().build().score_all(model_space(pixels(3)), ["a", "b", "c"])
     assert out.names == ["jpeg_compressibility"] and out.scores.shape == (3, 1)
     assert out.features is None and out.monitors == {}
     assert ImageRewardConfig.model_validate({}).models == cfg.models  # a config without a reward section

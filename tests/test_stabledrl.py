@@ -15,7 +15,7 @@ from steadyrl.rollout.batch import RolloutBatch
 from steadyrl.rollout.config import DDIMSamplerConfig, SchedulerConfig, UNetConfig
 from steadyrl.rollout.models import build_scheduler, build_class_policy
 from steadyrl.services.config import ConfigError, load_config
-from steadyrl.trainer.objectives import PreparePiece, StepInputs, build_objective
+from steadyrl.trainer.objectives import TermInputs, build_objective
 from steadyrl.trainer.objectives.grpo import GRPOSettings
 from steadyrl.trainer.objectives.stabledrl_code import StableDRLCodeSettings
 from steadyrl.trainer.objectives.stabledrl_paper import StableDRLPaperSettings
@@ -47,15 +47,16 @@ class ToyStep:
         return self.g[rows, k] @ self.theta + self.b[rows, k]
 
     def run(self, obj):
-        """prepare + sum of per-piece losses, as `_policy_gradient_step`; returns (grad wrt theta, stats, metrics)."""
+        """prepare + sum of per-piece losses, as the learner's per-step path (trainer/terms.py `PerStepTerms`);
+        returns (grad wrt theta, stats, metrics)."""
         self.theta.grad = None
         n_terms = self.n_samples * self.n_steps
         stats = {}
         if obj.needs_prepare:
-            stats = obj.prepare([PreparePiece(
+            stats = obj.prepare([TermInputs(
                 new_logp=self.new_logp(rows, k).detach(), old_logp=self._old(rows, k), advantages=self.adv[rows],
                 step=torch.full((len(rows),), k), std=torch.ones(len(rows), dtype=F64),
-                dt=torch.ones(len(rows), dtype=F64), rows=rows) for rows, k in self.pieces])
+                dt=torch.ones(len(rows), dtype=F64), n_terms=n_terms, rows=rows) for rows, k in self.pieces])
         metrics = []
         for rows, k in self.pieces:
             loss, m = obj.loss(self.inputs(rows, k, n_terms), stats)
@@ -64,7 +65,7 @@ class ToyStep:
         return self.theta.grad.clone(), stats, metrics
 
     def inputs(self, rows, k, n_terms):
-        return StepInputs(new_logp=self.new_logp(rows, k), old_logp=self._old(rows, k), advantages=self.adv[rows],
+        return TermInputs(new_logp=self.new_logp(rows, k), old_logp=self._old(rows, k), advantages=self.adv[rows],
                           step=torch.full((len(rows),), k), std=torch.ones(len(rows), dtype=F64),
                           dt=torch.ones(len(rows), dtype=F64), n_terms=n_terms, rows=rows)
 
@@ -242,13 +243,14 @@ def learner(request):
     from steadyrl.trainer.config import LearnerConfig
 
     set_rank_env(free_port())
-    from steadyrl.trainer.learner import DeepSpeedLearner
+    from steadyrl.trainer.builders import build_deepspeed_learner
 
     torch.manual_seed(0)
     sampler = DDIMLogProbSampler(DDIMSamplerConfig(num_steps=5), build_scheduler(SchedulerConfig()))
     settings = StableDRLPaperSettings() if request.param == "stabledrl.paper" else StableDRLCodeSettings()
-    return DeepSpeedLearner(build_class_policy(TINY), sampler, settings,
-                            LearnerConfig(lr=1e-3, micro_batch_size=8, optim_batch_size=16, inner_epochs=1), seed=0)
+    return build_deepspeed_learner(build_class_policy(TINY), sampler, settings,
+                                   LearnerConfig(lr=1e-3, micro_batch_size=8, optim_batch_size=16, inner_epochs=1),
+                                   seed=0)
 
 
 def scored_batch(learner, reward_fn, seed):

@@ -28,9 +28,9 @@ def pipelines(tmp_path_factory) -> dict[str, Path]:
 def t2i_overrides(path: Path, family: str, *extra: str) -> list[str]:
     sampler = ["sampler.kind=flow_sde", "sampler.shift=3.0"] if family in FLOW else ["sampler.kind=ddim"]
     if family == "flux":
-        sampler.append("text_to_image.max_sequence_length=16")
-    return ["testbed=text_to_image", f"text_to_image.pretrained={path}", "text_to_image.prompts.train=tiny",
-            "text_to_image.prompts.prompts_per_step=2", "sampler.num_steps=4", "sampler.samples_per_class=3",
+        sampler.append("testbed.max_sequence_length=16")
+    return ["testbed.name=text_to_image", f"testbed.pretrained={path}", "testbed.prompts.train=tiny",
+            "testbed.prompts.prompts_per_step=2", "sampler.num_steps=4", "sampler.group_size=3",
             *sampler, *extra]
 
 
@@ -58,9 +58,9 @@ def test_sampling_with_the_noise_off_is_the_diffusers_pipelines_own_loop(pipelin
     from diffusers import DiffusionPipeline
 
     knob = "sampler.noise_level=1e-12" if family in FLOW else "sampler.eta=1e-12"
-    neg = [f"text_to_image.negative_prompt={negative}"] if negative else []
-    tb, policy = t2i_policy(pipelines, family, knob, "text_to_image.guidance_scale=3.0", *neg,
-                            "text_to_image.lora=null")
+    neg = [f"testbed.negative_prompt={negative}"] if negative else []
+    tb, policy = t2i_policy(pipelines, family, knob, "testbed.guidance_scale=3.0", *neg,
+                            "testbed.lora=null")
     sampler = tb.build_sampler()
     assert not bool(sampler.trainable.any())  # the noise is off: no stochastic step
     prompts = tb.eval_prompts()[:1]
@@ -91,7 +91,7 @@ def test_sampling_with_the_noise_off_is_the_diffusers_pipelines_own_loop(pipelin
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_float64_recompute_under_guidance_is_exact_for_any_micro_batch(pipelines, family):
-    tb, policy = t2i_policy(pipelines, family, "text_to_image.guidance_scale=4.5")
+    tb, policy = t2i_policy(pipelines, family, "testbed.guidance_scale=4.5")
     policy = policy.double()
     sampler = tb.build_sampler()
     prompts, offset = tb.train_prompts(0, 1, 0)
@@ -118,7 +118,7 @@ def test_text_encoders_run_once_per_prompt_batch_not_per_sample(pipelines):
 
 def test_guidance_is_u_plus_w_times_c_minus_u(pipelines):
     """predict(x, t, cond) = u + w (c - u) with u, c the network's unconditional and conditional outputs."""
-    tb, policy = t2i_policy(pipelines, "sd", "text_to_image.guidance_scale=5.0")
+    tb, policy = t2i_policy(pipelines, "sd", "testbed.guidance_scale=5.0")
     opts = tb.sample_options(policy, torch.tensor([0, 1]))
     policy = policy.double()  # float64: batching [u; c] in one forward changes float32 rounding only
     cond = {k: v.double() for k, v in opts["cond_inputs"].items()}
@@ -141,19 +141,19 @@ def test_lora_is_the_default_and_only_adapters_are_trained_and_synced(pipelines)
 
 
 def test_bad_settings_are_refused_by_name(pipelines, tmp_path):
-    with pytest.raises(ConfigError, match="text_to_image.pretrained"):
-        load_config(None, ["testbed=text_to_image"])
+    with pytest.raises(ConfigError, match="testbed.pretrained"):
+        load_config(None, ["testbed.name=text_to_image"])
     tb = build_testbed(t2i_config(pipelines["sd3"], "sd3", "sampler.shift=1.0"))
     with pytest.raises(ValueError, match="sampler.shift"):
         tb.build_sampler()
-    tb = build_testbed(load_config(None, ["testbed=text_to_image", f"text_to_image.pretrained={pipelines['sd']}",
+    tb = build_testbed(load_config(None, ["testbed.name=text_to_image", f"testbed.pretrained={pipelines['sd']}",
                                           "sampler.kind=flow_sde"]))
     with pytest.raises(ValueError, match="sampler.kind"):
         tb.build_sampler()
     tb = build_testbed(t2i_config(tmp_path / "nowhere", "sd"))
     with pytest.raises(ValueError, match="pretrained="):
         tb.info
-    tb = build_testbed(t2i_config(pipelines["sd"], "sd", "text_to_image.lora.target_modules=[nonexistent]"))
+    tb = build_testbed(t2i_config(pipelines["sd"], "sd", "testbed.lora.target_modules=[nonexistent]"))
     with pytest.raises(ValueError, match="lora.target_modules"):
         tb.base_weights(progress=False)
 
@@ -187,7 +187,7 @@ def test_tiny_sdxl_has_sdxls_layout_and_is_deterministic(pipelines, tmp_path):
 def test_bf16_autocast_keeps_the_sampler_float32_and_its_recompute_close(pipelines, family):
     """Under `text_to_image.autocast=bfloat16` the network runs in bf16, its prediction comes back float32,
     and the learner's recompute (other micro-batches) stays within bf16 rounding of the rollout's log-probs."""
-    tb, policy = t2i_policy(pipelines, family, "text_to_image.autocast=bfloat16")
+    tb, policy = t2i_policy(pipelines, family, "testbed.autocast=bfloat16")
     assert policy.autocast is torch.bfloat16
     sampler = tb.build_sampler()
     prompts, offset = tb.train_prompts(0, 1, 0)
@@ -214,7 +214,7 @@ def test_a_flux_lora_policy_trains_in_process_with_only_its_adapters_synced(pipe
 
     result, rows = train_local(None, tmp_path / "run", t2i_overrides(
         pipelines["flux"], "flux", "run.steps=2", "learner.micro_batch_size=6", "objective.train_min_std=0.0",
-        "text_to_image.guidance_scale=3.5", "run.eval_samples_per_class=1"))
+        "testbed.guidance_scale=3.5"))
     tb, policy = t2i_policy(pipelines, "flux")
     adapters = policy.trainable_state_dict()
     assert result.steps_done == 2 and len(rows) == 2
@@ -234,7 +234,7 @@ def test_a_flux_lora_learner_step_follows_the_exact_policy_gradient(pipelines):
     from steadyrl.services.builders import build_learner
     from steadyrl.services.runtime import free_port, set_rank_env
 
-    extra = ("text_to_image.guidance_scale=3.5", "objective.train_min_std=0.0", "objective.timestep_fraction=1.0",
+    extra = ("testbed.guidance_scale=3.5", "objective.train_min_std=0.0", "objective.timestep_fraction=1.0",
              "learner.inner_epochs=1", "learner.micro_batch_size=6", "learner.grad_clip=1e9")
     cfg = t2i_config(pipelines["flux"], "flux", *extra)
     tb, policy = t2i_policy(pipelines, "flux", *extra)

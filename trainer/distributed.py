@@ -58,6 +58,15 @@ def split_into(batch: RolloutBatch, count: int, micro_batch_size: int) -> list[R
     return [batch.index(idx) for idx in torch.arange(len(batch)).tensor_split(count)]
 
 
+def step_extent(local: int) -> tuple[int, int]:
+    """(samples of an optimisation step on all ranks, samples of it on lower ranks), from this rank's `local`."""
+    rank, size = world()
+    if size == 1:
+        return local, 0
+    counts = all_gather(local)
+    return sum(counts), sum(counts[:rank])
+
+
 def all_sum(value: float) -> float:
     """Sum of `value` over the ranks."""
     rank, size = world()

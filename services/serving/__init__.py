@@ -1,27 +1,34 @@
 """The reward ensemble as a Ray Serve application, with a REST API.
 
     png          base64 PNG <-> pixels
-    schemas      the REST contract: routes, request and response bodies
+    schemas      the REST contract: routes, request and response bodies, each testbed's `RestProfile`
     guard        bearer token, body-size limit, 422s that name fields
     rest         the ingress's FastAPI app
     deployments  one deployment per reward model and the ensemble ingress
     app          build, deploy or reuse the application; the Serve config builder
+
+Names are loaded on first use (PEP 562), so a testbed that imports its REST schema does not import Ray.
 """
+from __future__ import annotations
 
-from steadyrl.services.serving.app import (APP_NAME, ROUTE_PREFIX, app_builder, app_digest, build_reward_app,
-                                           deploy_reward_app, running_app_digest)
-from steadyrl.services.serving.deployments import (IngressSettings, RestSettings, RewardEnsembleIngress,
-                                                   RewardModelDeployment)
-from steadyrl.services.serving.guard import token_digest
-from steadyrl.services.serving.png import MAX_IMAGE_SIDE, decode_png, encode_png
-from steadyrl.services.serving.rest import build_rest_api
-from steadyrl.services.serving.schemas import (HEALTH_ROUTE, LEGACY_ROUTES, MODELS_ROUTE, SCORE_ROUTE, AnyScoreRequest,
-                                               ArithRequest, DigitsRequest, ScoreResponse, TextToImageRequest)
+from importlib import import_module
+from typing import Any
 
-__all__ = [
-    "APP_NAME", "ROUTE_PREFIX", "SCORE_ROUTE", "MODELS_ROUTE", "HEALTH_ROUTE", "LEGACY_ROUTES", "MAX_IMAGE_SIDE",
-    "app_builder", "app_digest", "build_reward_app", "deploy_reward_app", "running_app_digest", "build_rest_api",
-    "IngressSettings", "RestSettings", "RewardEnsembleIngress", "RewardModelDeployment", "token_digest",
-    "decode_png", "encode_png", "AnyScoreRequest", "ArithRequest", "DigitsRequest", "TextToImageRequest",
-    "ScoreResponse",
-]
+_WHERE = {
+    "app": ("APP_NAME", "ROUTE_PREFIX", "app_builder", "app_digest", "build_reward_app", "deploy_reward_app",
+            "running_app_digest"),
+    "deployments": ("IngressSettings", "RestSettings", "RewardEnsembleIngress", "RewardModelDeployment"),
+    "guard": ("token_digest",),
+    "png": ("MAX_IMAGE_SIDE", "decode_png", "encode_png"),
+    "rest": ("build_rest_api",),
+    "schemas": ("HEALTH_ROUTE", "MODELS_ROUTE", "SCORE_ROUTE", "AnyScoreRequest", "ArithRequest", "DigitsRequest",
+                "ScoreResponse", "TextToImageRequest", "RestProfile"),
+}
+_MODULE = {name: module for module, names in _WHERE.items() for name in names}
+__all__ = sorted(_MODULE)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _MODULE:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(import_module(f"{__name__}.{_MODULE[name]}"), name)

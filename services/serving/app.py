@@ -4,15 +4,18 @@
 
 import hashlib
 import json
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ray import serve
 
-from steadyrl.reward.config import ImageRewardConfig, RewardConfig
-from steadyrl.reward.verifiers import VerifierSpec
+from steadyrl.reward.ensemble_spec import EnsembleSpec
 from steadyrl.services.config import ServeConfig
 from steadyrl.services.serving.deployments import (IngressSettings, RestSettings, RewardEnsembleIngress,
                                                    RewardModelDeployment)
+from steadyrl.services.serving.schemas import RestProfile
+
+if TYPE_CHECKING:
+    from steadyrl.services.testbeds.base import Testbed
 
 APP_NAME = "reward"
 ROUTE_PREFIX = "/reward"
@@ -20,56 +23,42 @@ ROUTE_PREFIX = "/reward"
 APP_SETTINGS = ("replica_cpus", "replica_gpus", "batching", "max_batch_size", "batch_wait_timeout_s",
                 "max_ongoing_requests", "max_request_samples", "max_body_bytes")
 
-RewardSpec = RewardConfig | VerifierSpec | ImageRewardConfig
 
-
-def build_reward_app(cfg: RewardSpec, serve_cfg: ServeConfig | None = None) -> serve.Application:
-    """Bind one deployment per reward model and the ensemble ingress (a testbed's `reward_spec()`: the digits
-    classifier ensemble, the arith verifier with its exact-match monitor, or the text-to-image models).
-    Deployments are named `reward_<name>` (trained on) and `monitor_<name>` (watch only). The bearer token (if
-    `serve_cfg` asks for one) is read here, where the app is built; only its SHA-256 goes to the replicas."""
+def build_reward_app(testbed: "Testbed", serve_cfg: ServeConfig | None = None) -> serve.Application:
+    """Bind one deployment per model of the testbed's reward ensemble (`Testbed.reward_spec`) and the ensemble
+    ingress with the testbed's REST profile (`Testbed.rest`). Deployments are named `reward_<name>` (members)
+    and `monitor_<name>` (watch only). The bearer token (if `serve_cfg` asks for one) is read here, where the
+    app is built; only its SHA-256 goes to the replicas."""
     serve_cfg = serve_cfg or ServeConfig()
-    rest = RestSettings.from_config(serve_cfg)
+    spec, profile = testbed.reward_spec(), testbed.rest
     opts: dict[str, Any] = {"ray_actor_options": {"num_cpus": serve_cfg.replica_cpus},
                             "max_ongoing_requests": serve_cfg.max_ongoing_requests}
     batching = {"max_batch_size": serve_cfg.max_batch_size, "batch_wait_timeout_s": serve_cfg.batch_wait_timeout_s,
                 "batching": serve_cfg.batching}
-    digest = app_digest(cfg, serve_cfg)
 
-    def model(name: str, spec: Any) -> serve.Application:
+    def model(name: str, model_spec: Any) -> serve.Application:
         model_opts = opts
-        if getattr(spec, "device", "cpu").startswith("cuda"):  # a model on cuda reserves its share of a GPU
+        if getattr(model_spec, "device", "cpu").startswith("cuda"):  # a model on cuda reserves its GPU share
             model_opts = {**opts, "ray_actor_options": {**opts["ray_actor_options"],
                                                         "num_gpus": serve_cfg.replica_gpus}}
-        return RewardModelDeployment.options(name=name, **model_opts).bind(spec.model_dump(), **batching)
+        return RewardModelDeployment.options(name=name, **model_opts).bind(model_spec.model_dump(), **batching)
 
-    if isinstance(cfg, VerifierSpec):
-        exact = cfg.model_copy(update={"partial_credit": False, "name": "exact"})
-        members = {cfg.name: model(f"reward_{cfg.name}", cfg)}
-        monitors = {"exact": model("monitor_exact", exact)}
-        settings = IngressSettings(train_on=cfg.name, feature_model=cfg.name, testbed="arith", correct=("exact",),
-                                   rest=rest, digest=digest)
-    elif isinstance(cfg, ImageRewardConfig):
-        members = {s.name: model(f"reward_{s.name}", s) for s in cfg.trained_specs()}
-        monitors = {s.name: model(f"monitor_{s.name}", s) for s in cfg.monitor_specs()}
-        settings = IngressSettings(train_on=cfg.train_on, feature_model=cfg.feature_model_name(),
-                                   testbed="text_to_image", rest=rest, digest=digest)
-    else:
-        members = {s.name: model(f"reward_{s.name}", s) for s in cfg.member_specs()}
-        monitors = {cfg.gold.name: model(f"monitor_{cfg.gold.name}", cfg.gold)}
-        settings = IngressSettings(train_on=cfg.train_on, feature_model=cfg.feature_model, testbed="digits",
-                                   correct=(cfg.gold.name,), rest=rest, digest=digest)
+    members = {m.name: model(f"reward_{m.name}", m) for m in spec.members}
+    monitors = {m.name: model(f"monitor_{m.name}", m) for m in spec.monitors}
+    settings = IngressSettings(profile=profile, train_on=spec.train_on, feature_model=spec.feature_model,
+                               correct=tuple(spec.correct), rest=RestSettings.from_config(serve_cfg),
+                               digest=app_digest(spec, profile, serve_cfg))
     ingress = RewardEnsembleIngress.options(name="ensemble", **opts)
     return ingress.bind(members=members, monitors=monitors, settings=settings)
 
 
-def app_digest(cfg: RewardSpec, serve_cfg: ServeConfig) -> str:
-    """SHA-256 of what an app is built from: the reward models' specs, the settings that shape the deployments
-    and the REST API, and the bearer token's own digest."""
+def app_digest(spec: EnsembleSpec, profile: RestProfile, serve_cfg: ServeConfig) -> str:
+    """SHA-256 of what an app is built from: the ensemble's spec, the testbed it serves, the settings that shape
+    the deployments and the REST API, and the bearer token's own digest."""
     rest = RestSettings.from_config(serve_cfg)
     from importlib.metadata import version
 
-    payload = {"steadyrl": version("steadyrl"), "kind": type(cfg).__name__, "spec": cfg.model_dump(mode="json"),
+    payload = {"steadyrl": version("steadyrl"), "testbed": profile.testbed, "spec": spec.model_dump(mode="json"),
                "serve": {k: getattr(serve_cfg, k) for k in APP_SETTINGS}, "token": rest.token_sha256}
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
 
@@ -85,15 +74,16 @@ def running_app_digest(name: str = APP_NAME) -> str | None:
         return None
 
 
-def deploy_reward_app(cfg: RewardSpec, serve_cfg: ServeConfig | None = None, name: str = APP_NAME,
+def deploy_reward_app(testbed: "Testbed", serve_cfg: ServeConfig | None = None, name: str = APP_NAME,
                       route_prefix: str = ROUTE_PREFIX, reuse: bool = False) -> bool:
     """Deploy (or update) the ensemble as the Serve application `name` (default `reward`) under `route_prefix`
     (default /reward). With `reuse`, an app of that name already running the same ensemble (same `app_digest`:
     a RayService's, or an earlier run's on this cluster) is left as it is. Returns whether it deployed."""
     serve_cfg = serve_cfg or ServeConfig()
-    if reuse and route_prefix == ROUTE_PREFIX and running_app_digest(name) == app_digest(cfg, serve_cfg):
+    digest = app_digest(testbed.reward_spec(), testbed.rest, serve_cfg)
+    if reuse and route_prefix == ROUTE_PREFIX and running_app_digest(name) == digest:
         return False
-    serve.run(build_reward_app(cfg, serve_cfg), name=name, route_prefix=route_prefix)
+    serve.run(build_reward_app(testbed, serve_cfg), name=name, route_prefix=route_prefix)
     return True
 
 
@@ -106,4 +96,4 @@ def app_builder(args: dict[str, Any]) -> serve.Application:
     cfg = load_config(args.get("config"), list(args.get("overrides") or []))
     testbed = build_testbed(cfg)
     testbed.prepare_rewards()
-    return build_reward_app(testbed.reward_spec(), cfg.serve)
+    return build_reward_app(testbed, cfg.serve)

@@ -22,8 +22,8 @@ from steadyrl.rollout.digits import IMAGE_SHAPE
 from steadyrl.services.config import ServeConfig
 from steadyrl.services.serving.guard import token_digest
 from steadyrl.services.serving.rest import build_rest_api
-from steadyrl.services.serving.schemas import (SCORE_ROUTE, TESTBEDS, Batch, HealthResponse, ModelInfo, ModelsResponse,
-                                               ScoreResponse)
+from steadyrl.services.serving.schemas import (SCORE_ROUTE, Batch, HealthResponse, ModelInfo, ModelsResponse,
+                                               RestProfile, ScoreResponse)
 
 HEALTH_PROMPT = "health check"
 
@@ -119,21 +119,18 @@ class RestSettings:
 class IngressSettings:
     """What `RewardEnsembleIngress` is built with besides its model handles.
 
-    `train_on`: the member the training reward is, or 'mean'; `feature_model`: a member whose `features` come
-    back with `score_tensors` (None: no features); `correct`: monitors that also report `<name>_correct`
-    (digits' gold classifier, arith's exact verifier); `rest`: the REST API's limits and token digest;
-    `digest`: what the app was built from (`app.app_digest`)."""
+    `profile`: the testbed's REST profile (request model, items or tensors, legacy route); `train_on`: the member
+    the training reward is, or 'mean'; `feature_model`: a member whose `features` come back with `score_tensors`
+    (None: no features); `correct`: monitors that also report `<name>_correct` (the rule of
+    `reward.ensemble.monitor_scores`); `rest`: the REST API's limits and token digest; `digest`: what the app
+    was built from (`app.app_digest`)."""
 
+    profile: RestProfile
     train_on: str
-    testbed: str = "digits"
     feature_model: str | None = None
     correct: tuple[str, ...] = ()
     rest: RestSettings = field(default_factory=RestSettings)
     digest: str = ""
-
-    def __post_init__(self) -> None:
-        if self.testbed not in TESTBEDS:
-            raise ValueError(f"testbed={self.testbed!r} must be one of {list(TESTBEDS)}")
 
 
 @serve.deployment(ray_actor_options={"num_cpus": 0.1}, health_check_period_s=10)
@@ -147,7 +144,8 @@ class RewardEnsembleIngress:
         """`members` and `monitors`: each model's handle by its name, in column order."""
         if settings.feature_model is not None and settings.feature_model not in members:
             raise ValueError(f"feature_model={settings.feature_model!r} must be one of the members {list(members)}")
-        self.testbed = settings.testbed
+        self.profile = settings.profile
+        self.testbed = settings.profile.testbed
         self.members, self.member_names = list(members.values()), list(members)
         self.monitors, self.monitor_names = list(monitors.values()), list(monitors)
         self.correct = set(settings.correct)
@@ -199,11 +197,12 @@ class RewardEnsembleIngress:
         out = combine_scores(self.member_names, torch.stack([col[0] for col in cols], dim=1), group, self.train_on)
         for name, (score, correct) in zip(self.monitor_names, mons):
             out.monitors[name] = score
-            out.monitors[f"{name}_correct"] = correct
+            if name in self.correct:
+                out.monitors[f"{name}_correct"] = correct
         return out
 
     async def score_request(self, batch: Batch) -> ScoreResponse:
-        if self.testbed == "arith":
+        if self.profile.items:
             out = await self.score_items(batch.cond, batch.samples, batch.group)
         else:
             out = await self.score_tensors(batch.samples, batch.cond, batch.group, with_features=False)

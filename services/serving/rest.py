@@ -9,8 +9,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.security import HTTPBearer
 
 from steadyrl.services.serving.guard import RestGuard, validation_error
-from steadyrl.services.serving.schemas import (HEALTH_ROUTE, LEGACY_REQUESTS, LEGACY_ROUTES, MODELS_ROUTE, SCORE_ROUTE,
-                                               V1_REQUESTS, ErrorDetail, HealthResponse, ModelsResponse, ScoreResponse,
+from steadyrl.services.serving.schemas import (HEALTH_ROUTE, LEGACY_ROUTES, MODELS_ROUTE, SCORE_ROUTE, ErrorDetail, HealthResponse, ModelsResponse, ScoreResponse,
                                                ValidationErrorResponse, with_max_samples)
 
 if TYPE_CHECKING:
@@ -20,9 +19,9 @@ if TYPE_CHECKING:
 def build_rest_api(ens: "RewardEnsembleIngress") -> FastAPI:
     """The ingress's FastAPI app: /v1/score with its testbed's request model and `max_samples`, /v1/models,
     /healthz, the deprecated pre-v1 routes, behind `RestGuard` (token, body size) and 422s that name fields."""
-    rest, testbed = ens.rest, ens.testbed
-    request_model = with_max_samples(V1_REQUESTS[testbed], rest.max_samples)
-    legacy_model = with_max_samples(LEGACY_REQUESTS[testbed], rest.max_samples)
+    rest, profile = ens.rest, ens.profile
+    testbed = profile.testbed
+    request_model = with_max_samples(profile.request, rest.max_samples)
     auth = rest.token_sha256 is not None
     api = FastAPI(
         title="steadyrl reward ensemble", version="1",
@@ -59,19 +58,24 @@ def build_rest_api(ens: "RewardEnsembleIngress") -> FastAPI:
     async def healthz() -> HealthResponse:
         return await ens.health()
 
-    @api.post(LEGACY_ROUTES[testbed], response_model=ScoreResponse, include_in_schema=False, deprecated=True)
-    async def score_legacy(request: legacy_model) -> ScoreResponse:  # type: ignore[valid-type]
-        return await ens.score_request(request.batch())
+    if profile.legacy_route is not None and profile.legacy_request is not None:
+        legacy_model = with_max_samples(profile.legacy_request, rest.max_samples)
+
+        @api.post(profile.legacy_route, response_model=ScoreResponse, include_in_schema=False, deprecated=True)
+        async def score_legacy(request: legacy_model) -> ScoreResponse:  # type: ignore[valid-type]
+            return await ens.score_request(request.batch())
+
+    also = "" if profile.legacy_route is None else f" (or the deprecated {profile.legacy_route})"
 
     def wrong_route(route: str) -> Any:
         async def refuse() -> None:
             from fastapi import HTTPException
 
             raise HTTPException(status_code=400, detail=f"this reward app scores the {testbed!r} testbed: POST "
-                                f"{SCORE_ROUTE} (or the deprecated {LEGACY_ROUTES[testbed]}), not {route}")
+                                f"{SCORE_ROUTE}{also}, not {route}")
         return refuse
 
-    for other, route in LEGACY_ROUTES.items():
-        if other != testbed:
+    for route in LEGACY_ROUTES.values():
+        if route != profile.legacy_route:
             api.post(route, include_in_schema=False)(wrong_route(route))
     return api

@@ -26,8 +26,8 @@ from steadyrl.rollout.digits import IMAGE_SHAPE, NUM_CLASSES
 from steadyrl.services.serving.png import MAX_IMAGE_SIDE, check_one_size, decode_png, rgb_images
 
 SCORE_ROUTE, MODELS_ROUTE, HEALTH_ROUTE = "/v1/score", "/v1/models", "/healthz"
-LEGACY_ROUTES = {"digits": "/score", "arith": "/score_text", "text_to_image": "/score_images"}  # deprecated
-TESTBEDS = tuple(LEGACY_ROUTES)
+# the deprecated pre-v1 routes (a fixed set: testbeds added since have /v1/score only); an app answers the others' 400
+LEGACY_ROUTES = {"digits": "/score", "arith": "/score_text", "text_to_image": "/score_images"}
 PIXEL_BOUND = 2.0  # digits pixels: model space is [-1, 1]; unclipped sampler output may overshoot a little
 MAX_TEXT_CHARS = 4096  # per prompt / completion
 MAX_TOKENS = 4096  # per prompt / completion given as token ids
@@ -247,10 +247,20 @@ class ImageScoreRequest(ParallelColumns):
         return Batch(rgb_images(self.images), list(self.prompts), _groups(self.group))
 
 
-V1_REQUESTS: dict[str, type[StrictBody]] = {"digits": DigitsRequest, "arith": ArithRequest,
-                                             "text_to_image": TextToImageRequest}
-LEGACY_REQUESTS: dict[str, type[StrictBody]] = {"digits": ScoreRequest, "arith": TextScoreRequest,
-                                                 "text_to_image": ImageScoreRequest}
+@dataclass(frozen=True)
+class RestProfile:
+    """What a testbed's reward app accepts over REST (each testbed supplies its own, `Testbed.rest`): its v1
+    request model (a `StrictBody` with `COLUMNS` and `batch()`), whether its samples are scored as prompt /
+    completion items by verifiers (else as tensors with their conditioning), and its deprecated pre-v1 route
+    and body, if it has one."""
+
+    testbed: str
+    request: type[StrictBody]
+    items: bool = False
+    legacy_route: str | None = None
+    legacy_request: type[StrictBody] | None = None
+
+
 AnyScoreRequest = Annotated[Union[DigitsRequest, ArithRequest, TextToImageRequest], Field(discriminator="kind")]
 """The v1 body of any testbed, tagged by `kind` (each app accepts, and publishes, its own testbed's)."""
 
@@ -293,8 +303,11 @@ class ModelInfo(BaseModel):
     test_accuracy: float | None = Field(None, description="held-out accuracy of a classifier, else null")
 
 
+_TESTBED = "the testbed whose samples this app scores (digits, arith, text_to_image, ...)"
+
+
 class ModelsResponse(BaseModel):
-    testbed: Literal["digits", "arith", "text_to_image"]
+    testbed: str = Field(description=_TESTBED)
     train_on: str = Field(description="the member the training reward is, or 'mean' of the members")
     feature_model: str | None = Field(description="the member whose features measure diversity (handle only)")
     models: list[ModelInfo]
@@ -302,7 +315,7 @@ class ModelsResponse(BaseModel):
 
 class HealthResponse(BaseModel):
     status: Literal["ok"]
-    testbed: Literal["digits", "arith", "text_to_image"]
+    testbed: str = Field(description=_TESTBED)
     route: str = Field(description="where this app scores samples")
     members: list[str]
     monitors: list[str]

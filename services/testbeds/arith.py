@@ -3,28 +3,75 @@ from __future__ import annotations
 
 from functools import cached_property
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 import numpy as np
+from pydantic import Field
 from torch import Tensor, nn
 
-from steadyrl.reward.ensemble import EnsembleScores, RewardEnsemble
+from steadyrl.reward.ensemble import EnsembleScores
+from steadyrl.reward.ensemble_spec import EnsembleSpec
 from steadyrl.rollout.batch import RolloutBatch
+from steadyrl.rollout.masked_lm import MaskedLMConfig
 from steadyrl.rollout.samplers import build_sampler
+from steadyrl.services.serving.schemas import ArithRequest, RestProfile, TextScoreRequest
 from steadyrl.services.testbeds.base import Testbed
+from steadyrl.services.testbeds.settings import TestbedSettings
+from steadyrl.trainer.pretrain_masked_lm import MaskedLMPretrainConfig
+
+if TYPE_CHECKING:
+    from steadyrl.services.config import TrainConfig
+
+
+class ArithSettings(TestbedSettings):
+    """The arith testbed: synthetic problems, a tiny masked-diffusion LM (or a real one by name), an exact
+    verifier."""
+
+    name: Literal["arith"] = "arith"
+    task: Literal["addition", "sudoku"] = "addition"
+    digits: int = Field(2, ge=1, le=8, description="addition: operand digits (zero-padded in the prompt)")
+    blanks: int = Field(6, ge=1, le=16, description="sudoku: hidden cells of the 4x4 grid")
+    model: MaskedLMConfig = Field(default_factory=MaskedLMConfig)
+    pretrain: MaskedLMPretrainConfig = Field(default_factory=MaskedLMPretrainConfig)
+    pretrained: str | None = Field(
+        None, description="a real masked-diffusion LM by hub id or local directory (LLaDA, or any masked LM "
+        "transformers implements) with its own tokenizer, instead of the tiny BERT built here (`model`, `pretrain` "
+        "then unused). Its full weights go through Ray's object store: fine for small models; LoRA comes later")
+    trust_remote_code: bool = Field(False, description="run the model repo's own modelling code (LLaDA needs it)")
+    partial_credit: bool = Field(False, description="sudoku: reward the share of valid rows/columns/boxes")
+    prompts_per_step: int = Field(16, ge=1, description="fresh problems per RL step (split over rollout workers)")
+    train_seed: int = Field(202, description="seed of the RL problems (pre-training and eval use others)")
+    eval_seed: int = Field(303, description="seed of the fixed held-out evaluation problems")
+    eval_problems: int = Field(200, ge=1, description="held-out problems per evaluation (greedy decoding)")
+
+    sampler_kinds: ClassVar[tuple[str, ...]] = ("masked_diffusion",)
+    no_reward_backprop: ClassVar[str | None] = ("its reward is an exact verifier of decoded text, which has no "
+                                                "gradient: use a policy-gradient objective (grpo, stabledrl, bgpo)")
+
+    def max_workers(self) -> int:
+        """One problem per worker at most."""
+        return self.prompts_per_step
+
+    def check(self, cfg: "TrainConfig") -> None:
+        if self.pretrained is None and self.model.max_positions < cfg.sampler.gen_length + 20:
+            raise ValueError(f"testbed.model.max_positions={self.model.max_positions} is shorter than the longest "
+                             f"prompt + sampler.gen_length ({cfg.sampler.gen_length})")
 
 
 class ArithTestbed(Testbed):
     """A tiny masked-diffusion LM on synthetic problems; the exact verifier is reward and monitor."""
 
     name = "arith"
+    Settings = ArithSettings
+    rest = RestProfile("arith", ArithRequest, items=True, legacy_route="/score_text", legacy_request=TextScoreRequest)
     labels = ("verifier", "exact")
+    settings: ArithSettings
 
     @property
     def task(self):
         from steadyrl.rollout.arith import ArithTask
 
-        a = self.cfg.arith
+        a = self.settings
         return ArithTask(task=a.task, digits=a.digits, blanks=a.blanks, gen_length=self.cfg.sampler.gen_length)
 
     @cached_property
@@ -32,7 +79,7 @@ class ArithTestbed(Testbed):
         from steadyrl.rollout.arith import TOKENIZER
         from steadyrl.rollout.masked_lm import resolve_pretrained_masked_lm
 
-        a = self.cfg.arith
+        a = self.settings
         return TOKENIZER.mask_token_id if a.pretrained is None else resolve_pretrained_masked_lm(
             a.pretrained, a.trust_remote_code)[2]
 
@@ -41,13 +88,13 @@ class ArithTestbed(Testbed):
         """The character tokenizer, or the real model's (`arith.pretrained`)."""
         from steadyrl.rollout.text_codec import load_codec
 
-        a = self.cfg.arith
+        a = self.settings
         return load_codec(a.pretrained, a.trust_remote_code, None if a.pretrained is None else self.mask_token_id)
 
     def base_weights(self, progress: bool = True) -> Path:
         """The tiny BERT pre-trained here, or the named model's weights (copied once into the cache as
         safetensors, so every actor gets them through the object store the same way)."""
-        a = self.cfg.arith
+        a = self.settings
         if a.pretrained is not None and (Path(a.pretrained) / "model.safetensors").exists():
             return Path(a.pretrained) / "model.safetensors"  # a local directory written by save_pretrained
         if a.pretrained is not None:
@@ -71,7 +118,7 @@ class ArithTestbed(Testbed):
             pretrained_architecture_with_weights,
         )
 
-        a = self.cfg.arith
+        a = self.settings
         if a.pretrained is not None:
             return pretrained_architecture_with_weights(a.pretrained, weights, a.trust_remote_code)
         return masked_lm_from_weights(a.model, len(TOKENIZER), weights)
@@ -89,39 +136,32 @@ class ArithTestbed(Testbed):
         """One greedy completion per held-out problem (within-group diversity is then 0 by definition)."""
         return 1
 
-    @property
-    def max_workers(self) -> int:
-        return self.cfg.arith.prompts_per_step
-
     def train_prompts(self, worker: int, n_workers: int, step: int) -> tuple[Tensor, int]:
         """Fresh problems every step: problem ids step * prompts_per_step + k of the run's training seed."""
-        per_step = self.cfg.arith.prompts_per_step
+        per_step = self.settings.prompts_per_step
         share = np.array_split(np.arange(per_step), n_workers)[worker]
         ids = (step * per_step + share).tolist()
-        problems = self.task.problems(self.cfg.arith.train_seed, ids)
+        problems = self.task.problems(self.settings.train_seed, ids)
         return self.task.encode_prompts(problems, self.codec), int(share[0])
 
     def eval_prompts(self) -> Tensor:
-        return self.task.encode_prompts(self.task.problems(self.cfg.arith.eval_seed,
-                                                           range(self.cfg.arith.eval_problems)), self.codec)
+        return self.task.encode_prompts(self.task.problems(self.settings.eval_seed,
+                                                           range(self.settings.eval_problems)), self.codec)
 
     def prepare_rewards(self, console=None) -> None:
         """A verifier needs nothing built."""
 
-    def reward_spec(self) -> Any:
+    def reward_spec(self) -> EnsembleSpec:
+        """The task's verifier (partial credit if asked) trains; an exact-match verifier watches, and its 0/1
+        verdict is the held-out accuracy."""
         from steadyrl.reward.verifiers import VerifierSpec
 
-        a = self.cfg.arith
-        return VerifierSpec(task=a.task, partial_credit=a.partial_credit, tokenizer=a.pretrained,
-                            trust_remote_code=a.trust_remote_code)
-
-    def reward_ensemble(self) -> RewardEnsemble:
-        from steadyrl.reward.factory import build_reward_model
-
-        spec = self.reward_spec()
-        member = build_reward_model(spec)
-        exact = build_reward_model(spec.model_copy(update={"partial_credit": False, "name": "exact"}))
-        return RewardEnsemble([member], spec.name, [exact], member)
+        a = self.settings
+        verifier = VerifierSpec(task=a.task, partial_credit=a.partial_credit, tokenizer=a.pretrained,
+                                trust_remote_code=a.trust_remote_code)
+        exact = verifier.model_copy(update={"partial_credit": False, "name": "exact"})
+        return EnsembleSpec(members=[verifier], monitors=[exact], train_on=verifier.name,
+                            feature_model=verifier.name, correct=[exact.name])
 
     @property
     def gold_name(self) -> str:
@@ -134,13 +174,13 @@ class ArithTestbed(Testbed):
         codec = self.codec
         prompts = [codec.decode(p[p != codec.pad_id]) for p in batch.cond]
         completions = [codec.decode(c) for c in batch.samples]
-        problems = self.task.problems(self.cfg.arith.eval_seed, range(self.cfg.arith.eval_problems))
+        problems = self.task.problems(self.settings.eval_seed, range(self.settings.eval_problems))
         per = max(1, len(batch) // len(problems))  # eval batches are prompt-major: row i is problem i // per
         by_len: dict[str, list[float]] = {}
         for i, ok in enumerate(correct.tolist()):  # by the true answer's length (sums with a carry out: +1)
             by_len.setdefault(f"{len(problems[i // per].answer)}-digit answers", []).append(ok)
         return {
-            "gold_accuracy": float(correct.mean()),
+            "held_out": float(correct.mean()),
             "proxy_mean": float(scores.reward.mean()),
             "diversity_nn": float(nearest_neighbour_distance(scores.features, batch.group).mean()),
             "breakdown": {k: sum(v) / len(v) for k, v in sorted(by_len.items())},

@@ -3,26 +3,38 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from torch import Tensor, nn
 
 from steadyrl.reward.ensemble import EnsembleScores, RewardEnsemble
+from steadyrl.reward.ensemble_spec import EnsembleSpec
 from steadyrl.rollout.batch import RolloutBatch
-from steadyrl.services.config import TrainConfig
+from steadyrl.services.serving.schemas import RestProfile
+from steadyrl.services.testbeds.settings import TestbedSettings
+
+if TYPE_CHECKING:
+    from steadyrl.services.config import TrainConfig
 
 
 class Testbed(ABC):
-    """One testbed of a run's config. Prompts are integer tensors: class ids [C] or prompt tokens [C, P]."""
+    """One testbed of a run's config. Prompts are integer tensors: class ids [C] or prompt tokens [C, P].
 
-    name: str
+    A testbed class names its config section (`Settings`, a `TestbedSettings`: the run's `testbed:`), what its
+    reward app accepts over REST (`rest`), and implements the data half (policy, sampler, prompts) and the
+    scoring half (reward ensemble, held-out figure, evaluation) below."""
+
+    name: ClassVar[str]
+    Settings: ClassVar[type[TestbedSettings]]
+    rest: ClassVar[RestProfile]
     #: (label of the training reward, label of the held-out accuracy) in progress bars and tables
     labels: tuple[str, str] = ("proxy", "gold")
-    #: format of the headline held-out figure (`gold_accuracy`) and its breakdown: an accuracy, or a score
+    #: format of the headline held-out figure (`held_out`) and its breakdown: an accuracy, or a score
     headline_format: str = ".1%"
 
-    def __init__(self, cfg: TrainConfig):
+    def __init__(self, cfg: "TrainConfig"):
         self.cfg = cfg
+        self.settings = cfg.testbed
 
     # ------------------------------------------------------------------ data half
     @abstractmethod
@@ -36,11 +48,6 @@ class Testbed(ABC):
     @abstractmethod
     def build_sampler(self):
         """The sampler of `cfg.sampler`, ready for this testbed's policy."""
-
-    @property
-    @abstractmethod
-    def max_workers(self) -> int:
-        """Rollout workers this testbed can split its prompts over."""
 
     @abstractmethod
     def train_prompts(self, worker: int, n_workers: int, step: int) -> tuple[Tensor, int]:
@@ -73,7 +80,7 @@ class Testbed(ABC):
     @property
     def eval_per_prompt(self) -> int:
         """Samples per evaluation prompt."""
-        return self.cfg.run.eval_samples_per_class
+        return self.cfg.testbed.eval_samples_per_class
 
     # ------------------------------------------------------------------ scoring half
     @abstractmethod
@@ -81,12 +88,13 @@ class Testbed(ABC):
         """Build/check the reward models before Serve loads them (and print what was built)."""
 
     @abstractmethod
-    def reward_ensemble(self) -> RewardEnsemble:
-        """The same reward models in-process (evaluation without Ray, benchmarks)."""
+    def reward_spec(self) -> EnsembleSpec:
+        """The testbed's reward ensemble: what the Serve app deploys (`services.serving.app.build_reward_app`)
+        and the local runtime builds in-process (`reward_ensemble`)."""
 
-    @abstractmethod
-    def reward_spec(self) -> Any:
-        """What `services.serving.app.build_reward_app` deploys (the testbed's reward models)."""
+    def reward_ensemble(self) -> RewardEnsemble:
+        """The same reward models in this process (the local runtime, `steadyrl eval`)."""
+        return self.reward_spec().build()
 
     @property
     @abstractmethod
@@ -104,7 +112,7 @@ class Testbed(ABC):
             "reward/ensemble_std": float(scores.std.mean()),
             "reward/uncertainty_mean": float(scores.uncertainty.mean()),
             "reward/gold_mean": float(gold_score.mean()),
-            "reward/gold_accuracy": float(gold_headline.mean()),
+            "reward/held_out": float(gold_headline.mean()),
             "diversity/nn_distance": (0.0 if scores.features is None else
                                       float(nearest_neighbour_distance(scores.features, batch.group).mean())),
             "diversity/pairwise_distance": (0.0 if scores.features is None else
@@ -132,7 +140,7 @@ class Testbed(ABC):
 
     @abstractmethod
     def eval_summary(self, batch: RolloutBatch, scores: EnsembleScores) -> dict[str, Any]:
-        """`gold_accuracy`, `proxy_mean`, `diversity_nn`, `breakdown` {label: accuracy} and `n_samples`,
+        """`held_out`, `proxy_mean`, `diversity_nn`, `breakdown` {label: accuracy} and `n_samples`,
         plus whatever `save_eval` draws (removed before the result is written as JSON)."""
 
     @abstractmethod

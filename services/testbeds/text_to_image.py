@@ -10,26 +10,73 @@ from __future__ import annotations
 
 from collections import defaultdict
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar, Literal
 
 import torch
+from pydantic import Field
 from torch import Tensor, nn
 
-from steadyrl.reward.ensemble import EnsembleScores, RewardEnsemble
+from steadyrl.reward.config import ImageRewardConfig
+from steadyrl.reward.ensemble import EnsembleScores
+from steadyrl.reward.ensemble_spec import EnsembleSpec
 from steadyrl.rollout.batch import RolloutBatch
+from steadyrl.rollout.lora import LoRAConfig
+from steadyrl.rollout.prompts import PromptsConfig
+from steadyrl.services.serving.schemas import ImageScoreRequest, RestProfile, TextToImageRequest
 from steadyrl.services.testbeds.base import Testbed
+from steadyrl.services.testbeds.settings import TestbedSettings
+
+
+class TextToImageSettings(TestbedSettings):
+    """The text-to-image testbed: a diffusers pipeline by name or path, text prompts, image reward models."""
+
+    name: Literal["text_to_image"] = "text_to_image"
+    pretrained: str = Field(
+        description="hub id (already in the local Hugging Face cache) or directory of a diffusers pipeline: "
+        "SD 1.x/2.x-style (UNet, sampler.kind=ddim), SDXL-style (ddim) or SD3-style (transformer, flow_sde)")
+    resolution: int | None = Field(None, ge=8, description="image side in pixels; None: the model's native one")
+    guidance_scale: float = Field(4.5, ge=1.0, description="classifier-free guidance w, identical in sampling and "
+                                  "the log-prob recompute (1 = off: one forward instead of two); Flow-GRPO: 4.5")
+    negative_prompt: str = Field("", description="the unconditional branch's prompt (the same in recompute)")
+    max_sequence_length: int | None = Field(
+        None, ge=1, le=512, description="T5 prompt tokens (SD3, FLUX); None: the pipeline's default (SD3 256, "
+        "FLUX 512). Shorter saves the embeddings' memory in every batch")
+    dtype: Literal["float32", "bfloat16", "float16"] = Field(
+        "float32", description="weights of the denoiser, text encoders and VAE; bf16 halves memory on GPU (the "
+        "sampler's Gaussian stays float32: see README for the recompute tolerance it implies)")
+    autocast: Literal["off", "bfloat16", "float16"] = Field(
+        "off", description="mixed precision for the denoiser's forward (torch.autocast; weights stay in `dtype`): "
+        "bf16 is the usual choice on GPUs; the sampler's Gaussian stays float32 and the recompute gap it causes is "
+        "logged as policy/rollout_logp_absdiff_max (README states what to expect)")
+    lora: LoRAConfig | None = Field(default_factory=LoRAConfig, description="adapters to train (None: the whole "
+                                    "denoiser, whose full weights then go through the object store each step)")
+    prompts: PromptsConfig = Field(default_factory=PromptsConfig)
+    reward: ImageRewardConfig = Field(default_factory=ImageRewardConfig)
+    eval_samples_per_prompt: int = Field(2, ge=1, description="images per held-out prompt per evaluation")
+    decode_batch: int = Field(8, ge=1, description="latents per VAE decode call (bounds decode memory)")
+
+    sampler_kinds: ClassVar[tuple[str, ...]] = ("ddim", "flow_sde")
+    no_reward_backprop: ClassVar[str | None] = ("its image rewards are scored on decoded images behind Serve, "
+                                                "without a gradient: use a policy-gradient objective")
+
+    def max_workers(self) -> int:
+        """One prompt per worker at most."""
+        return self.prompts.prompts_per_step
 
 
 class TextToImageTestbed(Testbed):
     """Text prompts -> latents -> decoded images -> image reward models; monitor-only rewards are held out."""
 
     name = "text_to_image"
+    Settings = TextToImageSettings
+    rest = RestProfile("text_to_image", TextToImageRequest, legacy_route="/score_images",
+                       legacy_request=ImageScoreRequest)
+    settings: TextToImageSettings
     labels = ("reward", "held-out")
     headline_format = ".3f"
 
     def __init__(self, cfg):
         super().__init__(cfg)
-        self.t2i = cfg.text_to_image
         self._info = None
         self._splits = None
         self._tools = None
@@ -42,7 +89,7 @@ class TextToImageTestbed(Testbed):
         if self._info is None:
             from steadyrl.rollout.diffusers_pipelines import describe_pipeline
 
-            self._info = describe_pipeline(self.t2i.pretrained)
+            self._info = describe_pipeline(self.settings.pretrained)
         return self._info
 
     def _fresh_policy(self):
@@ -51,12 +98,12 @@ class TextToImageTestbed(Testbed):
         from steadyrl.rollout.text_to_image import DEFAULT_LORA_TARGETS, TextToImagePolicy
 
         family = self.info.family
-        policy = TextToImagePolicy(load_denoiser(self.t2i.pretrained, family, self.t2i.dtype), family,
-                                   self.t2i.guidance_scale)
-        if self.t2i.lora is not None:
-            add_lora(policy, self.t2i.lora, DEFAULT_LORA_TARGETS[family])
-        if self.t2i.autocast != "off":
-            policy.autocast = getattr(torch, self.t2i.autocast)
+        policy = TextToImagePolicy(load_denoiser(self.settings.pretrained, family, self.settings.dtype), family,
+                                   self.settings.guidance_scale)
+        if self.settings.lora is not None:
+            add_lora(policy, self.settings.lora, DEFAULT_LORA_TARGETS[family])
+        if self.settings.autocast != "off":
+            policy.autocast = getattr(torch, self.settings.autocast)
         return policy
 
     def base_weights(self, progress: bool = True) -> Path:
@@ -70,8 +117,8 @@ class TextToImageTestbed(Testbed):
             state = self._fresh_policy().trainable_state_dict()
             save_file({k: v.detach().contiguous() for k, v in state.items()}, str(tmp / "trainable.safetensors"))
 
-        key = config_key({"pretrained": self.t2i.pretrained, "stamp": _weights_stamp(self.t2i.pretrained),
-                          "lora": None if self.t2i.lora is None else self.t2i.lora.model_dump(), "dtype": self.t2i.dtype})
+        key = config_key({"pretrained": self.settings.pretrained, "stamp": _weights_stamp(self.settings.pretrained),
+                          "lora": None if self.settings.lora is None else self.settings.lora.model_dump(), "dtype": self.settings.dtype})
         return build_dir_atomically(cache_root() / "models" / f"t2i-{key}", build) / "trainable.safetensors"
 
     def build_policy(self, weights: dict[str, Tensor]) -> nn.Module:
@@ -89,11 +136,11 @@ class TextToImageTestbed(Testbed):
         family, sched, kind = self.info.family, self.info.scheduler, self.cfg.sampler.kind
         wants = "flow_sde" if family in ("sd3", "flux") else "ddim"
         if kind != wants:
-            raise ValueError(f"sampler.kind={kind!r} does not fit {self.t2i.pretrained!r} (a {family} model): "
+            raise ValueError(f"sampler.kind={kind!r} does not fit {self.settings.pretrained!r} (a {family} model): "
                              f"use sampler.kind={wants}")
         if family == "flux":  # FLUX's grid: linspace(1, 1/N, N), shifted by mu(image size) when dynamic
             return FlowSDESampler(self.cfg.sampler, SchedulerConfig(num_train_timesteps=sched["num_train_timesteps"]),
-                                  model_scheduler=sched, image_seq_len=self.info.image_seq_len(self.t2i.resolution))
+                                  model_scheduler=sched, image_seq_len=self.info.image_seq_len(self.settings.resolution))
         if family == "sd3":
             shift = float(sched.get("shift", 1.0))
             if abs(self.cfg.sampler.shift - shift) > 1e-9:
@@ -101,7 +148,7 @@ class TextToImageTestbed(Testbed):
                                  f"(shift={shift}): set sampler.shift={shift}")
             return FlowSDESampler(self.cfg.sampler, SchedulerConfig(num_train_timesteps=sched["num_train_timesteps"]))
         if sched.get("prediction_type", "epsilon") != "epsilon":
-            raise ValueError(f"{self.t2i.pretrained!r} predicts {sched['prediction_type']!r}; the DDIM log-prob "
+            raise ValueError(f"{self.settings.pretrained!r} predicts {sched['prediction_type']!r}; the DDIM log-prob "
                              "sampler needs an epsilon-prediction model")
         return DDIMLogProbSampler(self.cfg.sampler, DDIMScheduler.from_config(sched))
 
@@ -111,7 +158,7 @@ class TextToImageTestbed(Testbed):
         if self._splits is None:
             from steadyrl.rollout.prompts import build_splits
 
-            self._splits = build_splits(self.t2i.prompts)
+            self._splits = build_splits(self.settings.prompts)
         return self._splits
 
     def prompt_texts(self, ids: Tensor) -> list[str]:
@@ -123,21 +170,17 @@ class TextToImageTestbed(Testbed):
         every = self.splits.train.metadata + self.splits.eval.metadata
         return [every[int(i)] for i in ids]
 
-    @property
-    def max_workers(self) -> int:
-        return self.t2i.prompts.prompts_per_step
-
     def train_prompts(self, worker: int, n_workers: int, step: int) -> tuple[Tensor, int]:
         from steadyrl.rollout.prompts import step_prompts
 
-        return step_prompts(self.t2i.prompts, len(self.splits.train), step, worker, n_workers)
+        return step_prompts(self.settings.prompts, len(self.splits.train), step, worker, n_workers)
 
     def eval_prompts(self) -> Tensor:
         return len(self.splits.train) + torch.arange(len(self.splits.eval))
 
     @property
     def eval_per_prompt(self) -> int:
-        return self.t2i.eval_samples_per_prompt
+        return self.settings.eval_samples_per_prompt
 
     # ------------------------------------------------------------------ encoding and decoding (rollout side)
     def tools(self, policy: nn.Module):
@@ -145,19 +188,19 @@ class TextToImageTestbed(Testbed):
         if self._tools is None:
             from steadyrl.rollout.diffusers_pipelines import PipelineTools
 
-            self._tools = PipelineTools(self.info, policy.net, self.t2i.dtype, self.t2i.resolution,
-                                        self.t2i.max_sequence_length)
+            self._tools = PipelineTools(self.info, policy.net, self.settings.dtype, self.settings.resolution,
+                                        self.settings.max_sequence_length)
         return self._tools
 
     def sample_options(self, policy: nn.Module, prompts: Tensor) -> dict[str, Any]:
         """The prompts' embeddings (text encoders run once per prompt batch) and the latent shape."""
         tools = self.tools(policy)
-        return {"cond_inputs": tools.encode(self.prompt_texts(prompts), self.t2i.negative_prompt, policy.guided),
-                "sample_shape": self.info.latent_shape(self.t2i.resolution)}
+        return {"cond_inputs": tools.encode(self.prompt_texts(prompts), self.settings.negative_prompt, policy.guided),
+                "sample_shape": self.info.latent_shape(self.settings.resolution)}
 
     def reward_inputs(self, policy: nn.Module, batch: RolloutBatch) -> tuple[Tensor, list[str]]:
         """(VAE-decoded images [B,3,H,W] in [-1, 1], the B prompt strings)."""
-        images = self.tools(policy).decode(batch.samples, self.t2i.decode_batch)
+        images = self.tools(policy).decode(batch.samples, self.settings.decode_batch)
         self.last_images = images
         return images, self.prompt_texts(batch.cond)
 
@@ -165,16 +208,13 @@ class TextToImageTestbed(Testbed):
     def prepare_rewards(self, console=None) -> None:
         """Reward models load inside their Serve replicas (by name or path); nothing to build here."""
 
-    def reward_ensemble(self) -> RewardEnsemble:
-        return self.t2i.reward.build_ensemble()
-
-    def reward_spec(self) -> Any:
-        return self.t2i.reward
+    def reward_spec(self) -> EnsembleSpec:
+        return self.settings.reward.ensemble_spec()
 
     @property
     def gold_name(self) -> str | None:
         """The first monitor-only reward: the held-out figure (None: the training reward itself)."""
-        return next(iter(self.t2i.reward.monitor_only), None)
+        return next(iter(self.settings.reward.monitor_only), None)
 
     def _held_out(self, scores: EnsembleScores) -> Tensor:
         return scores.reward if self.gold_name is None else scores.monitors[self.gold_name]
@@ -192,7 +232,7 @@ class TextToImageTestbed(Testbed):
         return out
 
     def eval_summary(self, batch: RolloutBatch, scores: EnsembleScores) -> dict[str, Any]:
-        """Held-out prompts: the held-out reward (`gold_accuracy`, a mean score), per prompt tag; the training
+        """Held-out prompts: the held-out reward (`held_out`, a mean score), per prompt tag; the training
         reward; diversity; and the images for the picture."""
         from steadyrl.reward.diversity import nearest_neighbour_distance
 
@@ -202,7 +242,7 @@ class TextToImageTestbed(Testbed):
             by_tag[str(meta.get("tag", "all prompts"))].append(value)
         texts = self.prompt_texts(batch.cond)
         return {
-            "gold_accuracy": float(held_out.mean()),
+            "held_out": float(held_out.mean()),
             "proxy_mean": float(scores.reward.mean()),
             "diversity_nn": (0.0 if scores.features is None else
                              float(nearest_neighbour_distance(scores.features, batch.group).mean())),

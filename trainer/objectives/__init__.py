@@ -1,6 +1,6 @@
 """Objectives, registered by name (`grpo`, `stabledrl.paper`, `grpo_guard.paper`, `gardo.paper`, `bgpo.paper`, ...)."""
 from steadyrl.trainer.objectives.base import (LearnerHooks, Objective, ObjectiveSettings, PolicyGradientObjective,
-                                     PreparePiece, RewardBackpropObjective, StepInputs)
+                                              RewardBackpropObjective, TermInputs)
 from steadyrl.trainer.objectives.registry import available, build_objective, objective_class, register, settings_types
 from steadyrl.trainer.objectives import grpo  # noqa: F401,E402  (registers "grpo")
 from steadyrl.trainer.objectives import gardo, gardo_seed  # noqa: F401,E402  (registers "gardo.paper", "gardo.seed")
@@ -8,6 +8,6 @@ from steadyrl.trainer.objectives import grpo_guard, reward_backprop  # noqa: F40
 from steadyrl.trainer.objectives import stabledrl_code, stabledrl_paper  # noqa: F401,E402  (registers "stabledrl.*")
 from steadyrl.trainer.objectives import bgpo  # noqa: F401,E402  (registers "bgpo.paper")
 
-__all__ = ["LearnerHooks", "Objective", "ObjectiveSettings", "PolicyGradientObjective", "PreparePiece",
-           "RewardBackpropObjective", "StepInputs", "available", "build_objective", "objective_class", "register",
+__all__ = ["LearnerHooks", "Objective", "ObjectiveSettings", "PolicyGradientObjective", "RewardBackpropObjective",
+           "TermInputs", "available", "build_objective", "objective_class", "register",
            "settings_types"]

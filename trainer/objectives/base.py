@@ -1,11 +1,11 @@
-"""What every objective shares: its settings base, the inputs it sees, and its lifecycle.
+"""What every objective shares: its settings base, the inputs it sees (`TermInputs`), and its lifecycle.
 
 One update (an RL step) of the learner, as the objective sees it:
 
     batch, m = obj.prepare_batch(batch)            # once, whole batch: advantages, gates, weights
     for each optimisation step (optim_batch_size samples, several micro-batches):
         stats = obj.prepare(pieces)                # no grad: whole-step normalisers, per-step stats
-        for each micro-batch x trained step:
+        for each piece (micro-batch x trained step; see trainer/terms.py for each update path):
             loss, m = obj.loss(inputs, stats)      # this piece's share of the step's loss
             backward(loss)
         optimiser step
@@ -13,13 +13,19 @@ One update (an RL step) of the learner, as the objective sees it:
 
 Losses are sums with explicit normalisers: `loss` returns this piece's contribution to the
 optimisation step's objective (e.g. sum over the piece / `inputs.n_terms`), and the learner adds
-the pieces without rescaling them.
+the pieces without rescaling them. `n_terms` counts the step's terms on every rank: samples x trained
+steps per sample (per-step path), sequences (sequence path), samples (reward back-propagation).
+
+Behaviour weights (asynchronous rollouts, trainer/off_policy.py) reach an objective only through
+`inputs.advantages`, already multiplied by min(pi_prox / pi_b, cap) for lagged samples (1 otherwise);
+ratios, clips and normalisers are the proximal policy's. Each objective's docstring says where its
+advantage enters.
 """
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Any, ClassVar, Literal, Protocol
+from typing import ClassVar, Literal, Protocol
 
 import torch
 from pydantic import Field
@@ -27,6 +33,7 @@ from torch import Tensor
 
 from steadyrl.rollout.batch import RolloutBatch
 from steadyrl.rollout.config import StrictModel
+from steadyrl.rollout.likelihood import SequenceLogProb
 from steadyrl.trainer.advantages import group_advantages
 
 
@@ -52,40 +59,37 @@ class PolicyGradientSettings(ObjectiveSettings):
 
 
 @dataclass
-class StepInputs:
-    """One micro-batch at one sampled trained step per sample (b samples)."""
+class TermInputs:
+    """One piece of an optimisation step, as the objective sees it: b samples of a micro-batch, each at one
+    trained step (Gaussian samplers), one MC sample or the whole sequence (masked diffusion), or its re-run x_0
+    (reward back-propagation). `prepare` gets every piece of the step (every rank's) without gradient; `loss`
+    gets one piece with gradient. The update path that produced it (trainer/terms.py) leaves what it does not
+    have as None.
+    """
 
-    new_logp: Tensor  # [b] with grad
-    old_logp: Tensor  # [b] recomputed without grad at the start of the update
-    advantages: Tensor  # [b]
-    step: Tensor  # [b] inference-step index of each sample's term
-    std: Tensor  # [b] the step's Gaussian std
-    dt: Tensor  # [b] |Delta t| of the step
-    n_terms: int  # (sample, step) terms in the whole optimisation step: the mean's denominator
-    rows: Tensor | None = None  # [b] each sample's index within the optimisation step (matches PreparePiece.rows)
-    new_mean: Tensor | None = None  # [b,...] with grad
-    old_mean: Tensor | None = None  # [b,...] recomputed at the start of the update (when requested)
-    kl_ref: Tensor | None = None  # [b] KL(pi_theta || pi_ref) at the step, with grad (when requested)
-    micro: RolloutBatch | None = None  # the micro-batch (uncertainty, features, extras)
-    reduce: str = "mean"  # the sampler's pixel reduction of log-probs and KLs
-    tokens: Any = None  # masked diffusion: this MC sample's per-token terms, with grad (rollout.likelihood)
-
-
-@dataclass
-class PreparePiece:
-    """No-grad view of one micro-batch's terms in an optimisation step, for `Objective.prepare`."""
-
-    new_logp: Tensor  # [b] at the current parameters
-    old_logp: Tensor  # [b]
-    advantages: Tensor  # [b]
-    step: Tensor  # [b]
-    std: Tensor  # [b]
-    dt: Tensor  # [b]
-    rows: Tensor  # [b] each sample's index within the optimisation step
-    new_mean: Tensor | None = None
-    old_mean: Tensor | None = None
+    n_terms: int  # terms in the whole optimisation step, every rank's: the normaliser each objective states
+    rows: Tensor | None = None  # [b] each sample's index within the optimisation step (all ranks)
+    # likelihood-ratio paths (per-step and sequence)
+    new_logp: Tensor | None = None  # [b] with grad in `loss`; at the current weights, without grad, in `prepare`
+    old_logp: Tensor | None = None  # [b] recomputed without grad at the start of the update (the proximal policy)
+    advantages: Tensor | None = None  # [b] times the behaviour weight of lagged samples (recompute.OldPolicy.weighted)
+    step: Tensor | None = None  # [b] each term's inference step / MC sample (None: a sequence-path `prepare` piece)
     group: Tensor | None = None  # [b] prompt group of each sample
-    tokens: list[Any] | None = None  # masked diffusion: per-token terms of each MC sample (no grad)
+    kl_ref: Tensor | None = None  # [b] KL(pi_theta || pi_ref) at the term, with grad (`loss`, when requested)
+    micro: RolloutBatch | None = None  # the micro-batch (`loss`: extras, features, the number of MC samples)
+    reduce: str = "mean"  # the sampler's reduction of log-probs and KLs
+    # Gaussian step samplers only
+    std: Tensor | None = None  # [b] the step's Gaussian std
+    dt: Tensor | None = None  # [b] |Delta t| of the step
+    new_mean: Tensor | None = None  # [b,...] the step mean (with grad in `loss`)
+    old_mean: Tensor | None = None  # [b,...] recomputed at the start of the update (`needs_old_mean`)
+    # masked diffusion, sequence path: the per-token terms (`loss`: this MC sample's, with grad; `prepare`: a list of
+    # every MC sample's, without)
+    tokens: SequenceLogProb | list[SequenceLogProb] | None = None
+    # reward back-propagation only
+    sample: Tensor | None = None  # [b,...] x_0 re-run through the last K steps, with grad
+    reward_grad: Tensor | None = None  # [b,...] dr/dx_0 of the differentiable reward at x_0
+    reward: Tensor | None = None  # [b] r(x_0), without grad
 
 
 class LearnerHooks(Protocol):
@@ -108,7 +112,7 @@ class Objective(ABC):
       needs_reference: compute KL(pi_theta || pi_ref) at each term
       ratio_scope:     with a sequence-level sampler (masked diffusion, steps = MC mask samples):
                        "sequence" -- the ratio is exp(mean_j ell_j - mean_j ell_j^old), one per sequence
-                       (the learner's two-pass pieces, `DeepSpeedLearner._sequence_step`); "term" -- each
+                       (the learner's two-pass pieces, `trainer.terms.SequenceTerms`); "term" -- each
                        MC sample's own ratio (BGPO's bound). Image samplers are always per step.
     State lives in `self.state` as tensors and is checkpointed with torch.save.
     """
@@ -138,9 +142,13 @@ class Objective(ABC):
         return batch.replace(advantages=self.advantages(batch)), {}
 
     @torch.no_grad()
-    def prepare(self, pieces: list[PreparePiece]) -> dict[str, Tensor]:
-        """No-grad statistics over the whole optimisation step (all-reduced across ranks later)."""
+    def prepare(self, pieces: list[TermInputs]) -> dict[str, Tensor]:
+        """No-grad statistics over the whole optimisation step (every rank's pieces, gathered)."""
         return {}
+
+    @abstractmethod
+    def loss(self, inputs: TermInputs, stats: dict[str, Tensor]) -> tuple[Tensor, dict[str, Tensor]]:
+        """This piece's contribution to the optimisation step's loss, and its metrics."""
 
     def after_update(self, hooks: LearnerHooks, metrics: dict[str, float]) -> dict[str, float]:
         """After each update: reference resets/EMA, adaptive constants. Returns extra metrics."""
@@ -154,18 +162,21 @@ class Objective(ABC):
 
 
 class PolicyGradientObjective(Objective):
-    """An objective over per-step likelihood ratios: `loss` is called per micro-batch and trained step."""
-
-    @abstractmethod
-    def loss(self, inputs: StepInputs, stats: dict[str, Tensor]) -> tuple[Tensor, dict[str, Tensor]]:
-        """This piece's contribution to the optimisation step's loss, and its metrics."""
+    """An objective over likelihood ratios: `loss` is called per piece (micro-batch x trained step or MC
+    sample), with `new_logp`, `old_logp`, `advantages` and `step` set."""
 
 
 class RewardBackpropObjective(Objective):
     """Back-propagates a differentiable reward through the last `backprop_steps` sampling steps (DRaFT-K).
 
-    The learner computes x_0 with gradients, the reward r(x_0) and G = dr/dx_0 [b, D]; `regulate`
-    may rescale G; the surrogate -sum(G * x_0) / n then has gradient -grad_theta mean r.
+    The learner re-runs x_0 with gradients (`inputs.sample`) and takes G = dr/dx_0 (`inputs.reward_grad`);
+    `regulate` may rescale G, flattened to [b, D]; `loss` is the surrogate
+
+        L_piece = -sum_{i in piece} <regulate(G)_i, x0_i(theta)> / n_terms,   n_terms = samples in the step
+
+    whose gradient, summed over the step's pieces, is -grad_theta mean_i r(x0_i) when `regulate` is the
+    identity. No advantages, so no behaviour weight: a lagged sample is re-run with noise recorded under the
+    proximal (current) policy and its reward gradient is taken as it is.
     """
 
     mode = "reward_backprop"
@@ -174,8 +185,16 @@ class RewardBackpropObjective(Objective):
     def regulate(self, grad: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
         """The reward gradient to back-propagate ([b, D] -> [b, D]) and metrics."""
 
+    def loss(self, inputs: TermInputs, stats: dict[str, Tensor]) -> tuple[Tensor, dict[str, Tensor]]:
+        """-sum <regulate(G), x0> / n_terms (class docstring), and the piece's mean reward."""
+        x0 = inputs.sample
+        flat, metrics = self.regulate(inputs.reward_grad.flatten(1))
+        surrogate = -(flat.view_as(x0).detach() * x0).sum() / inputs.n_terms
+        metrics["reward/backprop_mean"] = inputs.reward.mean()
+        return surrogate, metrics
 
-def kl_penalty(inputs: StepInputs, kl_coef: float, metrics: dict[str, Tensor]) -> Tensor:
+
+def kl_penalty(inputs: TermInputs, kl_coef: float, metrics: dict[str, Tensor]) -> Tensor:
     """kl_coef * sum over the piece of KL(pi_theta || pi_ref) / n_terms (0 when off)."""
     if inputs.kl_ref is None or kl_coef <= 0:
         return torch.zeros((), dtype=inputs.new_logp.dtype)

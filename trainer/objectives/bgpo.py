@@ -12,6 +12,11 @@ a sum of per-MC-sample terms g_j, each back-propagated and freed in turn. At the
 shared masks (delta_j = 0) the bound equals the exact objective in value (A) and in gradient
 (A * mean_j grad delta_j). No ratio clipping (the paper states none); A is GRPO's group-normalised
 advantage. On images each trained step is a term the same way (`ratio_scope = "term"`).
+
+Normaliser: each piece (one MC sample j, or one trained step, per sample) returns -sum_{i in piece} g / n_terms
++ kl_coef * sum KL / n_terms, n_terms = samples in the optimisation step (all ranks) x terms per sample (all n
+MC samples on a dLLM; the drawn trained steps on images): the pieces sum to -(1/G) sum_i mean_j g_ij.
+Behaviour weight: multiplies A (w > 0 keeps its sign, so the same branch of the bound is taken).
 """
 from __future__ import annotations
 
@@ -20,7 +25,8 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-from steadyrl.trainer.objectives.base import PolicyGradientObjective, PolicyGradientSettings, StepInputs, kl_penalty, ratio_metrics
+from steadyrl.trainer.objectives.base import (PolicyGradientObjective, PolicyGradientSettings, TermInputs, kl_penalty,
+                                              ratio_metrics)
 from steadyrl.trainer.objectives.registry import register
 
 
@@ -38,7 +44,7 @@ class BGPOPaper(PolicyGradientObjective):
     Settings = BGPOPaperSettings
     ratio_scope = "term"
 
-    def loss(self, inputs: StepInputs, stats: dict[str, Tensor]) -> tuple[Tensor, dict[str, Tensor]]:
+    def loss(self, inputs: TermInputs, stats: dict[str, Tensor]) -> tuple[Tensor, dict[str, Tensor]]:
         log_ratio = inputs.new_logp - inputs.old_logp
         bound = bgpo_bound(log_ratio, inputs.advantages)
         pg = -bound.sum() / inputs.n_terms  # summed over the n MC terms of each sequence: -(1/G) sum_i bound_i

@@ -17,6 +17,10 @@ Per micro-batch x trained step (b samples, n_terms in the optimisation step):
              = (sum_{i gated} k_i / #gated) * b / n_terms          kl_average "gated" (their mean)
     k_i = ||mu_theta - mu_ref||^2 / (2 s^2) * |dt|  ("code": their sigma_t without sqrt|dt|), or without
           the |dt| factor ("exact"; s the step std), in the sampler's pixel reduction. No gated sample: no KL.
+          (A sampler without Gaussian steps has no |dt|: k_i is its KL as it is.)
+    n_terms = samples in the optimisation step (all ranks) x trained steps drawn per sample.
+
+Behaviour weight: multiplies A_i inside the PPO clip; the gated KL is not weighted.
 
 After each update (hard reset of the reference): the windowed KL of an optimisation step is the mean
 over its pieces of mean_{gated} k_i (0 for a piece without gated samples), as their `info["kl_loss"]`;
@@ -36,7 +40,7 @@ from torch import Tensor
 from steadyrl.reward.diversity import cosine_nearest_neighbour_distance
 from steadyrl.reward.uncertainty import rank_difference_uncertainty
 from steadyrl.rollout.batch import RolloutBatch
-from steadyrl.trainer.objectives.base import (LearnerHooks, PolicyGradientObjective, PolicyGradientSettings, StepInputs,
+from steadyrl.trainer.objectives.base import (LearnerHooks, PolicyGradientObjective, PolicyGradientSettings, TermInputs,
                                      ratio_metrics)
 from steadyrl.trainer.objectives.grpo import ppo_clip_loss
 from steadyrl.trainer.objectives.registry import register
@@ -132,16 +136,16 @@ class GARDOBase(PolicyGradientObjective):
                         "gardo/div_distance_mean": float(d.mean())})
         return batch.replace(advantages=adv).with_extras(gardo_gate=gate), metrics
 
-    def loss(self, inputs: StepInputs, stats: dict[str, Tensor]) -> tuple[Tensor, dict[str, Tensor]]:
+    def loss(self, inputs: TermInputs, stats: dict[str, Tensor]) -> tuple[Tensor, dict[str, Tensor]]:
         if inputs.kl_ref is None or inputs.micro is None:
             raise ValueError("GARDO needs the learner's kl_ref and micro-batch")
         log_ratio = inputs.new_logp - inputs.old_logp
         ratio = log_ratio.exp()
         metrics = ratio_metrics(ratio, log_ratio, self.cfg.eps_clip)
-        pg = ppo_clip_loss(ratio, inputs.advantages, self.cfg.eps_clip).sum() / inputs.n_terms
+        pg = ppo_clip_loss(ratio, inputs.advantages, self.cfg.eps_clip).sum() / inputs.n_terms  # sum / n_terms
         metrics["policy/pg_loss"] = pg.detach() * inputs.n_terms / len(ratio)
         gate = inputs.micro.extras["gardo_gate"].bool()
-        k = inputs.kl_ref * inputs.dt if self.cfg.kl == "code" else inputs.kl_ref
+        k = inputs.kl_ref * inputs.dt if self.cfg.kl == "code" and inputs.dt is not None else inputs.kl_ref
         loss, piece_kl = pg, 0.0
         if bool(gate.any()):
             kl = k[gate].sum() / inputs.n_terms

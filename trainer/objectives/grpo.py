@@ -3,6 +3,11 @@
     A_i    = (r_i - mean_g r) / (std_g r + eps_std)                  group-relative advantage
     rho_t  = exp(log pi_theta(x_{t-1}|x_t) - log pi_old(x_{t-1}|x_t)) per-step ratio
     L      = E_{i,t}[ max(-A_i rho_t, -A_i clip(rho_t, 1 - eps_clip, 1 + eps_clip)) ] + beta * E KL(pi_theta || pi_ref)
+
+Normaliser: each piece returns sum_{terms in piece} ppo_clip / n_terms + kl_coef * sum KL / n_terms, with
+n_terms = samples in the optimisation step (all ranks) x trained steps drawn per sample; on a dLLM (sequence
+ratio, one term per sequence) n_terms = sequences in the step. The pieces sum to the mean over the step's terms.
+Behaviour weight: multiplies A_i (inside both arms of the clip); rho is the proximal ratio, clipped as is.
 """
 from __future__ import annotations
 
@@ -12,7 +17,7 @@ import torch
 from pydantic import Field
 from torch import Tensor
 
-from steadyrl.trainer.objectives.base import (PolicyGradientObjective, PolicyGradientSettings, StepInputs, kl_penalty,
+from steadyrl.trainer.objectives.base import (PolicyGradientObjective, PolicyGradientSettings, TermInputs, kl_penalty,
                                      ratio_metrics)
 from steadyrl.trainer.objectives.registry import register
 
@@ -31,11 +36,11 @@ class GRPOSettings(PolicyGradientSettings):
 class GRPO(PolicyGradientObjective):
     Settings = GRPOSettings
 
-    def loss(self, inputs: StepInputs, stats: dict[str, Tensor]) -> tuple[Tensor, dict[str, Tensor]]:
+    def loss(self, inputs: TermInputs, stats: dict[str, Tensor]) -> tuple[Tensor, dict[str, Tensor]]:
         log_ratio = inputs.new_logp - inputs.old_logp
         ratio = log_ratio.exp()
         metrics = ratio_metrics(ratio, log_ratio, self.cfg.eps_clip)
-        pg = ppo_clip_loss(ratio, inputs.advantages, self.cfg.eps_clip).sum() / inputs.n_terms
+        pg = ppo_clip_loss(ratio, inputs.advantages, self.cfg.eps_clip).sum() / inputs.n_terms  # sum / n_terms
         loss = pg + kl_penalty(inputs, self.cfg.kl_coef, metrics)
         metrics["policy/pg_loss"] = pg.detach() * inputs.n_terms / len(ratio)
         return loss, metrics

@@ -15,6 +15,10 @@ KL term and its scale grows as 1/s.  RatioNorm (what the authors' `train_sd3_GRP
     L         = sum_{i in piece} max(-A_i rho~_i, -A_i clip(rho~_i, 1 - eps_clip, 1 + eps_clip)) / |Delta t_i| / n_terms
                 + kl_coef * sum KL(pi_theta || pi_ref) / n_terms
 
+n_terms = samples in the optimisation step (all ranks) x trained steps drawn per sample (Gaussian samplers only:
+it needs the step means). Behaviour weight: multiplies A_i inside both arms of the clip; rho~ and b are the
+proximal policy's.
+
 With the per-sample bias, log rho~ = red(z * delta) exactly: zero-mean on-policy, scale ~ |delta|
 instead of |delta|/s.  The loss's gradient (inside the clip) is -A rho~ red(z * d mu_theta) / |Delta t|.
 
@@ -50,7 +54,7 @@ from pydantic import Field
 from torch import Tensor
 
 from steadyrl.rollout.sampler import reduce_pixels
-from steadyrl.trainer.objectives.base import (PolicyGradientObjective, PolicyGradientSettings, StepInputs, kl_penalty,
+from steadyrl.trainer.objectives.base import (PolicyGradientObjective, PolicyGradientSettings, TermInputs, kl_penalty,
                                      ratio_metrics)
 from steadyrl.trainer.objectives.grpo import ppo_clip_loss
 from steadyrl.trainer.objectives.registry import register
@@ -98,7 +102,7 @@ class GRPOGuardPaper(PolicyGradientObjective):
     Settings = GRPOGuardPaperSettings
     needs_old_mean = True
 
-    def loss(self, inputs: StepInputs, stats: dict[str, Tensor]) -> tuple[Tensor, dict[str, Tensor]]:
+    def loss(self, inputs: TermInputs, stats: dict[str, Tensor]) -> tuple[Tensor, dict[str, Tensor]]:
         if inputs.new_mean is None or inputs.old_mean is None:
             raise ValueError("grpo_guard.paper needs the new and old step means (needs_old_mean)")
         cfg = self.cfg
@@ -107,7 +111,7 @@ class GRPOGuardPaper(PolicyGradientObjective):
         ratio = log_ratio.exp()
         metrics = ratio_metrics(ratio, log_ratio, cfg.eps_clip)
         per_term = ppo_clip_loss(ratio, inputs.advantages, cfg.eps_clip) / inputs.dt.to(ratio.dtype)
-        pg = per_term.sum() / inputs.n_terms
+        pg = per_term.sum() / inputs.n_terms  # sum of clip / |Delta t| over the piece, / n_terms
         loss = pg + kl_penalty(inputs, cfg.kl_coef, metrics)
         metrics["policy/pg_loss"] = pg.detach() * inputs.n_terms / len(ratio)
         metrics["guard/raw_log_ratio_mean"] = (inputs.new_logp - inputs.old_logp).detach().mean()

@@ -1,13 +1,15 @@
 """Reward back-propagation objectives: DRaFT-K and GRPO-Guard's seed form (an SVD gradient regulator).
 
-The learner (`DeepSpeedLearner._reward_backprop_step`) re-runs the last K = `backprop_steps` sampling
+The learner (`trainer.terms.RewardBackpropTerms`) re-runs the last K = `backprop_steps` sampling
 steps from the stored x_K with the recorded noise and gradients through the policy, takes the
-differentiable reward r(x_0, c) and its gradient G = dr/dx_0 flattened to [b, D], asks the objective
-to `regulate` it, and back-propagates the surrogate
+differentiable reward r(x_0, c) and its gradient G = dr/dx_0; the objective (`RewardBackpropObjective.loss`)
+flattens G to [b, D], asks `regulate` for the gradient to use, and returns the piece's surrogate
 
-    L = -sum_i <regulate(G)_i, x0_i(theta)> / n          (n = samples in the optimisation step)
+    L_piece = -sum_{i in piece} <regulate(G)_i, x0_i(theta)> / n_terms    (n_terms = samples in the
+                                                                           optimisation step, all ranks)
 
-whose gradient is -grad_theta mean_i r(x0_i) when `regulate` is the identity.
+whose gradient, summed over the step's pieces, is -grad_theta mean_i r(x0_i) when `regulate` is the identity.
+No advantages, so no behaviour weight (a lagged sample's noise is recorded under the proximal policy).
 
 - `draft` (DRaFT-K, Clark et al. 2023): regulate(G) = G.
 - `grpo_guard.seed`: with sigma_1 = ||G||_2 (the top singular value of the micro-batch's [b, D] reward

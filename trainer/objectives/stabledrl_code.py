@@ -11,8 +11,9 @@ Images (this file): one sample's "sequence" is the set of trained steps it draws
 and the softmax runs over the optimisation step's samples (their code's "local batch": what one rank
 holds). Each piece (micro-batch x one trained step) returns -sum_{i in piece} w_i A_i log pi_theta(x_i at
 its step) (+ kl_coef * sum KL / n_terms, 0 by default as in their code); the learner's sum over pieces
-gives L. Samples are matched across pieces by `PreparePiece.rows` / `StepInputs.rows`. The weights are
-rank-local by design (their softmax never crosses ranks): they must not be all-reduced.
+gives L. Samples are matched across pieces by `TermInputs.rows` (the same in `prepare` and `loss`).
+With several learner ranks the softmax runs over every rank's samples of the step (the learner gathers all
+ranks' `prepare` pieces); their code's softmax is per rank, which `softmax_over: group` emulates.
 
 dLLMs (a sequence-level sampler; the form their code was written for): l_i is the SPG sandwich
 (`trainer.objectives.sandwich`) -- the ELBO (per-sample mean over masked tokens, averaged over MC masks:
@@ -24,6 +25,12 @@ linearised so their gradients sum to the sandwich's.
 `softmax_over`: `step` normalises w over the optimisation step's samples; `group` within each prompt
 group, then averages over the step's groups -- their runs, one prompt group per rank with gradients
 averaged across ranks, emulated on one rank.
+
+Normaliser: none, a plain sum -- w sums to 1 over the step's samples, so L is a weighted mean; n_terms
+only divides the optional KL. Images: a sample's terms are spread over the pieces that hold its drawn steps.
+dLLMs: one piece per MC sample j, valued at the whole J_i with 1/n of its gradient (linearised), so the
+pieces' gradients sum to grad L. Behaviour weight: multiplies A_i in the loss; log rho_i, and so w, are the
+proximal policy's.
 """
 from __future__ import annotations
 
@@ -35,7 +42,7 @@ from pydantic import Field
 from torch import Tensor
 
 from steadyrl.rollout.batch import RolloutBatch
-from steadyrl.trainer.objectives.base import (ObjectiveSettings, PolicyGradientObjective, PreparePiece, StepInputs,
+from steadyrl.trainer.objectives.base import (ObjectiveSettings, PolicyGradientObjective, TermInputs,
                                      kl_penalty, ratio_metrics)
 from steadyrl.trainer.objectives.registry import register
 from steadyrl.trainer.objectives.sandwich import eubo_piece, eubo_statistics, sandwich
@@ -91,7 +98,7 @@ class StableDRLCode(PolicyGradientObjective):
         return adv if clip is None else adv.clamp(-clip, clip)
 
     @torch.no_grad()
-    def prepare(self, pieces: list[PreparePiece]) -> dict[str, Tensor]:
+    def prepare(self, pieces: list[TermInputs]) -> dict[str, Tensor]:
         """Per-sample log rho_i summed over its trained steps, and w = softmax(min(log rho, cap)) over the step."""
         rows = torch.cat([p.rows for p in pieces])
         log_ratio = torch.cat([p.new_logp - p.old_logp for p in pieces])
@@ -113,9 +120,9 @@ class StableDRLCode(PolicyGradientObjective):
             stats.update({"stabledrl/eubo_q": q, "stabledrl/eubo": eubo})
         return stats
 
-    def loss(self, inputs: StepInputs, stats: dict[str, Tensor]) -> tuple[Tensor, dict[str, Tensor]]:
+    def loss(self, inputs: TermInputs, stats: dict[str, Tensor]) -> tuple[Tensor, dict[str, Tensor]]:
         if "stabledrl/weights" not in stats or inputs.rows is None:
-            raise ValueError("stabledrl.code needs the prepare statistics (stabledrl/weights) and StepInputs.rows")
+            raise ValueError("stabledrl.code needs the prepare statistics (stabledrl/weights) and TermInputs.rows")
         w = stats["stabledrl/weights"][inputs.rows]
         adv = inputs.advantages
         objective = inputs.new_logp
@@ -125,7 +132,7 @@ class StableDRLCode(PolicyGradientObjective):
             n_mc = int(inputs.micro.old_logp.shape[1]) if inputs.micro is not None else 1
             eubo = scale * eubo_piece(inputs.tokens, q, stats["stabledrl/eubo"][inputs.rows], self.cfg.eubo_beta, n_mc)
             objective = sandwich(inputs.new_logp, eubo, adv, self.cfg.eubo_mix)
-        pg = -(w * adv * objective).sum()
+        pg = -(w * adv * objective).sum()  # plain sum: w sums to 1 over the step's samples
         step_log_ratio = inputs.new_logp - inputs.old_logp
         metrics = ratio_metrics(step_log_ratio.exp(), step_log_ratio, None)
         seq = stats["stabledrl/log_ratio"]

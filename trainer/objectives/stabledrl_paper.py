@@ -14,11 +14,15 @@ of the A_j grad log pi(x_j): its norm is at most max_j |A_j| * ||grad log pi(x_j
   step   Z = sum of c_i over every (sample, trained step) term of the whole optimisation step -- the same
          index set as the numerator. Computed in the no-grad `prepare` pass from the current weights (the
          weights do not move within an optimisation step, so prepare's c_i are the c_j seen by `loss`).
-         `prepare` returns sums only, so an all-reduce (SUM) across learner ranks makes Z global.
+         `prepare` sees every rank's pieces (the learner gathers them), so Z is global.
   local  each piece is self-normalised by its own terms, Z_p = sum_{i in piece} c_i, and weighted by its
          share of the step's terms, b_p / n_terms (b_p = samples in the piece). The step's update is then
          the size-weighted mean of per-piece self-normalised estimates -- still a convex combination, and
          identical to `step` when the step has a single piece. No prepare statistics are used.
+
+n_terms = samples in the optimisation step (all ranks) x trained steps drawn per sample (dLLM sequence ratio:
+sequences); it weighs `local` pieces and divides the KL. Behaviour weight: multiplies A_j only -- c_j and Z
+are the proximal policy's clipped ratios, unweighted.
 """
 from __future__ import annotations
 
@@ -28,7 +32,7 @@ import torch
 from pydantic import Field
 from torch import Tensor
 
-from steadyrl.trainer.objectives.base import (PolicyGradientObjective, PolicyGradientSettings, PreparePiece, StepInputs,
+from steadyrl.trainer.objectives.base import (PolicyGradientObjective, PolicyGradientSettings, TermInputs,
                                      kl_penalty, ratio_metrics)
 from steadyrl.trainer.objectives.registry import register
 
@@ -60,12 +64,12 @@ class StableDRLPaper(PolicyGradientObjective):
         return self.cfg.normalise == "step"
 
     @torch.no_grad()
-    def prepare(self, pieces: list[PreparePiece]) -> dict[str, Tensor]:
+    def prepare(self, pieces: list[TermInputs]) -> dict[str, Tensor]:
         """Z = sum of the clipped ratios over all the step's terms, and their count (both sums: all-reducible)."""
         c = torch.cat([clipped_ratio(p.new_logp, p.old_logp, self.cfg.eps_clip) for p in pieces])
         return {"stabledrl/c_sum": c.sum(), "stabledrl/c_count": torch.tensor(float(len(c)), dtype=c.dtype)}
 
-    def loss(self, inputs: StepInputs, stats: dict[str, Tensor]) -> tuple[Tensor, dict[str, Tensor]]:
+    def loss(self, inputs: TermInputs, stats: dict[str, Tensor]) -> tuple[Tensor, dict[str, Tensor]]:
         log_ratio = inputs.new_logp - inputs.old_logp
         c = clipped_ratio(inputs.new_logp, inputs.old_logp, self.cfg.eps_clip)
         if self.cfg.normalise == "step":
@@ -73,10 +77,10 @@ class StableDRLPaper(PolicyGradientObjective):
                 raise ValueError("stabledrl.paper with normalise=step needs the prepare statistics "
                                  "(stabledrl/c_sum): run `prepare` over the optimisation step first")
             z, count = stats["stabledrl/c_sum"], stats["stabledrl/c_count"]
-            weight = c / z  # each term's weight in the step's convex combination
+            weight = c / z  # each term's weight in the step's convex combination: / Z, the step's sum of c
         else:
             z, count = c.sum(), torch.tensor(float(len(c)))
-            weight = c / z * (len(c) / inputs.n_terms)
+            weight = c / z * (len(c) / inputs.n_terms)  # / Z_p, times the piece's share b_p / n_terms
         adv = inputs.advantages
         pg = -(weight * adv * inputs.new_logp).sum()
         metrics = ratio_metrics(log_ratio.exp(), log_ratio, self.cfg.eps_clip)

@@ -1,0 +1,16 @@
+"""The testbeds by name: a new testbed is its own module(s) and one line here."""
+from __future__ import annotations
+
+from steadyrl.services.testbeds.arith import ArithTestbed
+from steadyrl.services.testbeds.base import Testbed
+from steadyrl.services.testbeds.digits import DigitsTestbed
+from steadyrl.services.testbeds.settings import TestbedSettings
+from steadyrl.services.testbeds.text_to_image import TextToImageTestbed
+
+TESTBEDS: dict[str, type[Testbed]] = {t.name: t for t in (
+    DigitsTestbed,
+    ArithTestbed,
+    TextToImageTestbed,
+)}
+TESTBED_SETTINGS: dict[str, type[TestbedSettings]] = {name: t.Settings for name, t in TESTBEDS.items()}
+DEFAULT_TESTBED = "digits"

@@ -1,0 +1,39 @@
+"""DeepSpeed's JSON config and collective backend for the learner's engine (deepspeed is imported lazily)."""
+from __future__ import annotations
+
+from typing import Any
+
+from steadyrl.trainer.config import LearnerConfig
+
+
+def deepspeed_config(cfg: LearnerConfig, client_optimizer: bool) -> dict[str, Any]:
+    """DeepSpeed JSON config. Without a `client_optimizer` (trainer/builders.py `build_optimizer` returned None)
+    DeepSpeed builds AdamW from the `optimizer` section (`torch_adam` avoids compiling the fused Adam op); with
+    one (DualMomentum) there is no optimizer section. The learner marks the gradient-accumulation boundary itself
+    (last piece of each optimisation step)."""
+    out = {
+        "train_micro_batch_size_per_gpu": cfg.micro_batch_size,
+        "gradient_accumulation_steps": cfg.micro_per_optim_step,
+        "gradient_clipping": cfg.grad_clip,
+        "optimizer": {
+            "type": "AdamW",
+            "params": {"lr": cfg.lr, "betas": list(cfg.betas), "weight_decay": cfg.weight_decay,
+                       "torch_adam": True},
+        },
+        "zero_optimization": {"stage": cfg.zero_stage},
+        "steps_per_print": 10**9,
+        "wall_clock_breakdown": False,
+    }
+    if client_optimizer:
+        del out["optimizer"]
+        out["zero_allow_untested_optimizer"] = True
+    return out
+
+
+def communication_backend(name: str) -> str:
+    """`auto`: NCCL when DeepSpeed's accelerator is cuda (DS_ACCELERATOR), gloo on the CPU."""
+    if name != "auto":
+        return name
+    from deepspeed.accelerator import get_accelerator
+
+    return "nccl" if get_accelerator().device_name() == "cuda" else "gloo"

@@ -1,0 +1,202 @@
+"""The learner's three update paths as term producers. A producer is built for one optimisation step (a
+group of micro-batches and their recomputed old policies); building it draws the step's randomness from the
+learner's generator. It then gives the objective the step's terms as `TermInputs`: `prepare_terms()`, every
+piece without gradient (for `Objective.prepare`), and, iterated, the `count` pieces to back-propagate one by
+one, in order (the optimiser steps after the last).
+
+  PerStepTerms         per-step likelihood ratios (Gaussian samplers; BGPO's per-MC-sample bound on dLLMs): each
+                       sample trains a random `timestep_fraction` of the trained steps (dLLMs: all n MC samples);
+                       one piece per (micro-batch, j-th drawn step); n_terms = samples x steps per sample
+  SequenceTerms        dLLM sequence ratios (`ratio_scope = "sequence"`): one piece per (micro-batch, MC sample),
+                       linearised so the pieces' gradients sum to the sequence objective's; n_terms = sequences
+  RewardBackpropTerms  DRaFT-K: one piece per micro-batch, x_0 re-run through the last K steps with gradients and
+                       the reward's gradient at it; n_terms = samples
+
+n_terms and `rows` count every rank's samples of the step (`rows`: rank 0's first).
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Iterator
+
+import torch
+from torch import Tensor
+
+from steadyrl.rollout.batch import RolloutBatch
+from steadyrl.rollout.sampler import GaussianStepSampler, LogProb, Sampler, StepLogProb
+from steadyrl.trainer.context import DifferentiableReward, UpdateContext
+from steadyrl.trainer.distributed import step_extent
+from steadyrl.trainer.objectives import Objective, RewardBackpropObjective, TermInputs
+from steadyrl.trainer.recompute import OldPolicy
+
+
+class TermProducer(ABC):
+    """One optimisation step's terms (module docstring)."""
+
+    count: int  # pieces to back-propagate
+    rows_before: int  # the step's samples on lower ranks (`prepare_terms` rows are this rank's, from 0)
+
+    def __init__(self, ctx: UpdateContext, group: list[RolloutBatch], olds: list[OldPolicy]):
+        self.ctx, self.group, self.olds = ctx, group, olds
+
+    def prepare_terms(self) -> list[TermInputs]:
+        """Every piece of the step on this rank, without gradient, at the current weights."""
+        return []
+
+    @abstractmethod
+    def __iter__(self) -> Iterator[TermInputs]:
+        """The pieces to back-propagate, with gradient, in order."""
+
+    def _global_rows(self) -> list[Tensor]:
+        """Each micro-batch's rows within the optimisation step, after the lower ranks' samples."""
+        offsets = [self.rows_before + sum(len(mb) for mb in self.group[:i]) for i in range(len(self.group))]
+        return [off + torch.arange(len(mb)) for off, mb in zip(offsets, self.group)]
+
+
+def with_new_policy_masks(ctx: UpdateContext, group: list[RolloutBatch]) -> list[RolloutBatch]:
+    """Sequence-level samplers with `masks: independent`: the new policy's MC masks, fresh per optimisation step
+    (from the learner's generator); the old policy keeps the rollout's."""
+    sampler = ctx.sampler
+    if sampler.sequence_level and sampler.independent_masks:
+        return [sampler.with_fresh_masks(mb, ctx.generator) for mb in group]
+    return group
+
+
+class PerStepTerms(TermProducer):
+    """Per-step likelihood-ratio terms: each sample at `steps_per_sample` of the trained steps drawn at random."""
+
+    def __init__(self, ctx: UpdateContext, group: list[RolloutBatch], olds: list[OldPolicy]):
+        super().__init__(ctx, with_new_policy_masks(ctx, group), olds)
+        steps = ctx.train_steps
+        self.steps_per_sample = n = steps_per_sample(ctx)
+        self.chosen = [torch.stack([steps[torch.randperm(len(steps), generator=ctx.generator)][:n]
+                                    for _ in range(len(mb))]) for mb in self.group]  # [b, n] per micro-batch
+        total, self.rows_before = step_extent(sum(len(mb) for mb in self.group))
+        self.n_terms = total * n
+        self.count = len(self.group) * n
+
+    def prepare_terms(self) -> list[TermInputs]:
+        pieces, offset = [], 0
+        with torch.no_grad():
+            for mb, old, chosen in zip(self.group, self.olds, self.chosen):
+                rows = offset + torch.arange(len(mb))
+                pieces += [self._term(mb, old, chosen[:, j], rows, grad=False) for j in range(chosen.shape[1])]
+                offset += len(mb)
+        return pieces
+
+    def __iter__(self) -> Iterator[TermInputs]:
+        for mb, old, chosen, rows in zip(self.group, self.olds, self.chosen, self._global_rows()):
+            for j in range(self.steps_per_sample):
+                yield self._term(mb, old, chosen[:, j], rows, grad=True)
+
+    def _term(self, mb: RolloutBatch, old: OldPolicy, step: Tensor, rows: Tensor, grad: bool) -> TermInputs:
+        """The micro-batch at `step` [b]; with `grad`, the term `loss` sees (KL to the reference where asked)."""
+        ctx, local = self.ctx, torch.arange(len(mb))
+        new = ctx.sampler.log_prob(ctx.policy, mb, step)
+        kl = ctx.kl_to_reference(mb, step, new) if grad and ctx.objective.needs_reference else None
+        inputs = TermInputs(n_terms=self.n_terms, rows=rows, new_logp=new.logp, old_logp=old.logp[local, step],
+                            advantages=old.weighted(mb.advantages, local, step), step=step, group=mb.group,
+                            kl_ref=kl, micro=mb if grad else None, reduce=ctx.sampler.reduce)
+        if isinstance(new, StepLogProb):
+            inputs.std, inputs.dt, inputs.new_mean = new.std, new.dt, new.mean
+            inputs.old_mean = None if old.mean is None else old.mean[local, step]
+        return inputs
+
+
+def steps_per_sample(ctx: UpdateContext) -> int:
+    """Trained steps per sample and optimisation step: a `timestep_fraction` of them (at least one); every MC
+    sample on a sequence-level sampler."""
+    n = len(ctx.train_steps)
+    return n if ctx.sequence_level else max(1, round(ctx.objective.cfg.timestep_fraction * n))
+
+
+class SequenceTerms(TermProducer):
+    """Sequence-level ratios f(log rho) over MC-estimated likelihoods, exactly, in one backward per MC sample.
+
+    log pi(y) is estimated by ell_bar = (1/n) sum_j ell_j over the n MC mask samples. A no-grad pass
+    computes ell_bar at the current weights; then each MC sample j is back-propagated on its own with
+
+        new_logp_j = sg(ell_bar) + (ell_j - sg(ell_j)) / n       value ell_bar, gradient grad(ell_j) / n
+
+    so the objective is evaluated at the exact sequence ratio and the pieces' gradients sum to
+    f'(ell_bar) grad(ell_bar): the exact objective's gradient in n backward passes, with memory of one
+    (the two-pass form; BGPO's bound is the per-term alternative). `n_terms` counts sequences.
+    """
+
+    def __init__(self, ctx: UpdateContext, group: list[RolloutBatch], olds: list[OldPolicy]):
+        super().__init__(ctx, with_new_policy_masks(ctx, group), olds)
+        self.mc_samples = n = len(ctx.train_steps)
+        with torch.no_grad():
+            self.passes = [[ctx.sampler.log_prob(ctx.policy, mb, j) for j in range(n)] for mb in self.group]
+        self.current = [torch.stack([p.logp for p in mc], 1).mean(1) for mc in self.passes]  # ell_bar [b]
+        self.n_terms, self.rows_before = step_extent(sum(len(mb) for mb in self.group))
+        self.count = len(self.group) * n
+
+    def prepare_terms(self) -> list[TermInputs]:
+        """One piece per micro-batch: the sequence estimates, and every MC sample's token terms (`tokens`)."""
+        pieces, offset = [], 0
+        for mb, old, current, mc in zip(self.group, self.olds, self.current, self.passes):
+            pieces.append(TermInputs(n_terms=self.n_terms, rows=offset + torch.arange(len(mb)), new_logp=current,
+                                     old_logp=old.sequence_logp, advantages=old.weighted(mb.advantages),
+                                     group=mb.group, reduce=self.ctx.sampler.reduce, tokens=list(mc)))
+            offset += len(mb)
+        return pieces
+
+    def __iter__(self) -> Iterator[TermInputs]:
+        ctx, n = self.ctx, self.mc_samples
+        for mb, old, current, rows in zip(self.group, self.olds, self.current, self._global_rows()):
+            for j in range(n):
+                new = ctx.sampler.log_prob(ctx.policy, mb, j)
+                linear = current + (new.logp - new.logp.detach()) / n
+                kl = None
+                if ctx.objective.needs_reference:
+                    kl = ctx.sampler.kl(LogProb(linear), LogProb(old.ref_logp))
+                step = torch.full((len(mb),), j, dtype=torch.long)
+                yield TermInputs(n_terms=self.n_terms, rows=rows, new_logp=linear, old_logp=old.sequence_logp,
+                                 advantages=old.weighted(mb.advantages), step=step, group=mb.group, kl_ref=kl,
+                                 micro=mb, reduce=ctx.sampler.reduce, tokens=new)
+
+
+class RewardBackpropTerms(TermProducer):
+    """Reward back-propagation through the last K = `backprop_steps` sampling steps (DRaFT-K): each micro-batch
+    re-runs them from the stored x_K with the recorded noise and gradients through the policy; the piece holds
+    x_0, the differentiable reward's gradient G = dr/dx_0 there and r(x_0). The objective's surrogate
+    -sum <regulate(G), x_0> / n_terms then has gradient -grad mean_i r(x0_i) when G is not rescaled."""
+
+    def __init__(self, ctx: UpdateContext, group: list[RolloutBatch], olds: list[OldPolicy]):
+        super().__init__(ctx, group, olds)
+        self.first = len(ctx.sampler.timesteps) - ctx.objective.cfg.backprop_steps
+        self.n_terms, self.rows_before = step_extent(sum(len(mb) for mb in group))
+        self.count = len(group)
+
+    def __iter__(self) -> Iterator[TermInputs]:
+        ctx = self.ctx
+        for mb, old, rows in zip(self.group, self.olds, self._global_rows()):
+            x0 = ctx.sampler.denoise_from(ctx.policy, mb, self.first, old.noise or [])
+            leaf = x0.detach().requires_grad_(True)
+            reward = ctx.reward_fn(leaf, mb.cond)
+            (grad,) = torch.autograd.grad(reward.sum(), leaf)
+            yield TermInputs(n_terms=self.n_terms, rows=rows, micro=mb, reduce=ctx.sampler.reduce, sample=x0,
+                             reward_grad=grad, reward=reward.detach())
+
+
+def term_producer(objective: Objective, sampler: Sampler, reward_fn: DifferentiableReward | None) -> type[TermProducer]:
+    """The update path `objective` takes on `sampler`; refuses combinations that cannot run."""
+    name = objective.cfg.name
+    if isinstance(objective, RewardBackpropObjective):
+        if reward_fn is None:
+            raise ValueError(f"objective {name!r} back-propagates a reward: the learner needs a differentiable "
+                             "reward_fn")
+        k = objective.cfg.backprop_steps
+        if not 1 <= k <= len(sampler.timesteps):
+            raise ValueError(f"objective.backprop_steps={k} must be in [1, {len(sampler.timesteps)}]")
+        if sampler.sequence_level or not isinstance(sampler, GaussianStepSampler):
+            raise ValueError(f"objective {name!r} re-runs Gaussian sampling steps: it does not apply to "
+                             f"sampler.kind={sampler.cfg.kind!r}")
+        return RewardBackpropTerms
+    if sampler.sequence_level:
+        if objective.needs_old_mean:
+            raise ValueError(f"objective {name!r} needs Gaussian step means: it does not apply to "
+                             f"sampler.kind={sampler.cfg.kind!r}")
+        return SequenceTerms if objective.ratio_scope == "sequence" else PerStepTerms
+    return PerStepTerms
