@@ -37,7 +37,7 @@ SETTINGS = {
     "a": ("noisy ratio: independent masks, n = 1", ["sampler.masks=independent", "sampler.mc_samples=1"]),
     "b": ("default presets", []),
     "c": ("many passes: 4 epochs x 4 optimiser steps per batch",
-          ["learner.inner_epochs=4", "learner.micro_batch_size=32", "learner.optim_batch_size=32"]),
+          ["learner.inner_epochs=4", "learner.micro_batch_size=32", "learner.optim_batch_size=64"]),
 }
 SPIKE = 1e3
 

@@ -231,12 +231,20 @@ def _where(loc: tuple[Any, ...]) -> str:
     return ".".join(parts) or "(root)"
 
 
+# top-level sections of configs written before each testbed owned its section
+MOVED_INTO_TESTBED = {"model": "testbed.model", "scheduler": "testbed.scheduler", "pretrain": "testbed.pretrain",
+                      "reward": "testbed.reward", "arith": "testbed (with name: arith)",
+                      "text_to_image": "testbed (with name: text_to_image)"}
+
+
 def format_validation_error(err: ValidationError) -> str:
     lines = []
     for e in err.errors():
         where = _where(e["loc"])
-        lines.append(f"  {where}: {e['msg']}" + (f" (got {e['input']!r})" if e["type"] != "extra_forbidden" and
-                                                  not isinstance(e.get("input"), dict) else ""))
+        moved = (f" (this section now lives in {MOVED_INTO_TESTBED[where]})"
+                 if e["type"] == "extra_forbidden" and where in MOVED_INTO_TESTBED else "")
+        lines.append(f"  {where}: {e['msg']}{moved}" + (f" (got {e['input']!r})" if e["type"] != "extra_forbidden" and
+                                                          not isinstance(e.get("input"), dict) else ""))
     return "invalid config:\n" + "\n".join(lines)
 
 

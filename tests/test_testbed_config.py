@@ -84,6 +84,16 @@ def test_a_testbeds_section_names_its_bad_fields():
         load_config(None, ["testbed.name=arith"])
 
 
+def test_a_config_from_before_testbed_sections_is_told_where_its_sections_went(tmp_path):
+    old = tmp_path / "config.yaml"
+    old.write_text("testbed: arith\narith: {task: addition}\nsampler: {kind: masked_diffusion}\n"
+                   "reward: {train_on: cnn}\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(old)
+    assert "arith: Extra inputs are not permitted (this section now lives in testbed (with name: arith))" in str(err.value)
+    assert "reward: Extra inputs are not permitted (this section now lives in testbed.reward)" in str(err.value)
+
+
 def test_every_testbed_supplies_its_rest_profile():
     for name, testbed in TESTBEDS.items():
         profile = testbed.rest
