@@ -89,7 +89,8 @@ def test_the_testbed_uses_the_models_tokenizer_and_mask_id(model_dir):
     testbed = build_testbed(cfg)
     assert testbed.mask_token_id == 23 and testbed.codec.eos_id == 1
     prompts, _ = testbed.train_prompts(0, 1, 0)
-    assert prompts.shape == (16, 6) and testbed.codec.decode(prompts[0]) == testbed.task.problem(202, 0).prompt
+    assert prompts.shape == (cfg.testbed.prompts_per_step, 6)
+    assert testbed.codec.decode(prompts[0]) == testbed.task.problem(202, 0).prompt
     from safetensors.torch import load_file
 
     policy = testbed.build_policy(load_file(str(testbed.base_weights())))
