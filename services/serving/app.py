@@ -30,7 +30,13 @@ def build_reward_app(testbed: "Testbed", serve_cfg: ServeConfig | None = None) -
     and `monitor_<name>` (watch only). The bearer token (if `serve_cfg` asks for one) is read here, where the
     app is built; only its SHA-256 goes to the replicas."""
     serve_cfg = serve_cfg or ServeConfig()
-    spec, profile = testbed.reward_spec(), testbed.rest
+    spec, profile, rest = testbed.reward_spec(), testbed.rest, RestSettings.from_config(serve_cfg)
+    return _bind(spec, profile, serve_cfg, rest, _digest(spec, profile, serve_cfg, rest))
+
+
+def _bind(spec: EnsembleSpec, profile: RestProfile, serve_cfg: ServeConfig, rest: RestSettings,
+          digest: str) -> serve.Application:
+    """The deployments and the ingress of `build_reward_app`, with the token's digest and the app's digest."""
     opts: dict[str, Any] = {"ray_actor_options": {"num_cpus": serve_cfg.replica_cpus},
                             "max_ongoing_requests": serve_cfg.max_ongoing_requests}
     batching = {"max_batch_size": serve_cfg.max_batch_size, "batch_wait_timeout_s": serve_cfg.batch_wait_timeout_s,
@@ -46,8 +52,7 @@ def build_reward_app(testbed: "Testbed", serve_cfg: ServeConfig | None = None) -
     members = {m.name: model(f"reward_{m.name}", m) for m in spec.members}
     monitors = {m.name: model(f"monitor_{m.name}", m) for m in spec.monitors}
     settings = IngressSettings(profile=profile, train_on=spec.train_on, feature_model=spec.feature_model,
-                               correct=tuple(spec.correct), rest=RestSettings.from_config(serve_cfg),
-                               digest=app_digest(spec, profile, serve_cfg))
+                               correct=tuple(spec.correct), rest=rest, digest=digest)
     ingress = RewardEnsembleIngress.options(name="ensemble", **opts)
     return ingress.bind(members=members, monitors=monitors, settings=settings)
 
@@ -55,7 +60,10 @@ def build_reward_app(testbed: "Testbed", serve_cfg: ServeConfig | None = None) -
 def app_digest(spec: EnsembleSpec, profile: RestProfile, serve_cfg: ServeConfig) -> str:
     """SHA-256 of what an app is built from: the ensemble's spec, the testbed it serves, the settings that shape
     the deployments and the REST API, and the bearer token's own digest."""
-    rest = RestSettings.from_config(serve_cfg)
+    return _digest(spec, profile, serve_cfg, RestSettings.from_config(serve_cfg))
+
+
+def _digest(spec: EnsembleSpec, profile: RestProfile, serve_cfg: ServeConfig, rest: RestSettings) -> str:
     from importlib.metadata import version
 
     payload = {"steadyrl": version("steadyrl"), "testbed": profile.testbed, "spec": spec.model_dump(mode="json"),
@@ -80,10 +88,11 @@ def deploy_reward_app(testbed: "Testbed", serve_cfg: ServeConfig | None = None, 
     (default /reward). With `reuse`, an app of that name already running the same ensemble (same `app_digest`:
     a RayService's, or an earlier run's on this cluster) is left as it is. Returns whether it deployed."""
     serve_cfg = serve_cfg or ServeConfig()
-    digest = app_digest(testbed.reward_spec(), testbed.rest, serve_cfg)
+    spec, profile, rest = testbed.reward_spec(), testbed.rest, RestSettings.from_config(serve_cfg)
+    digest = _digest(spec, profile, serve_cfg, rest)
     if reuse and route_prefix == ROUTE_PREFIX and running_app_digest(name) == digest:
         return False
-    serve.run(build_reward_app(testbed, serve_cfg), name=name, route_prefix=route_prefix)
+    serve.run(_bind(spec, profile, serve_cfg, rest, digest), name=name, route_prefix=route_prefix)
     return True
 
 

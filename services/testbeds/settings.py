@@ -7,6 +7,7 @@ objectives such as DRaFT), and its own cross-section checks.
 """
 from __future__ import annotations
 
+from abc import abstractmethod
 from typing import TYPE_CHECKING, Callable, ClassVar
 
 from torch import Tensor
@@ -28,9 +29,9 @@ class TestbedSettings(StrictModel):
     #: why reward back-propagation objectives cannot train here (None: they can: `differentiable_reward`)
     no_reward_backprop: ClassVar[str | None] = "its training reward is not differentiable"
 
+    @abstractmethod
     def max_workers(self) -> int:
         """Rollout workers this testbed can split one step's prompts over."""
-        raise NotImplementedError
 
     def check(self, cfg: "TrainConfig") -> None:
         """Checks across sections (raise ValueError naming the fields); none by default."""
