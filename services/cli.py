@@ -12,6 +12,7 @@ from rich.console import Console
 from rich.table import Table
 
 from steadyrl.services.config import ConfigError, load_config
+from steadyrl.services.signals import stop_on_sigterm
 
 for _k, _v in {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}.items():
     os.environ.setdefault(_k, _v)
@@ -55,6 +56,7 @@ def train(
     in one process with --local."""
     from steadyrl.services.controller import RunFailed, train as run_train
 
+    stop_on_sigterm()  # `kill PID` stops like Ctrl-C: checkpoint kept, Ray shut down, exit status 143
     args = [*(args or []), *(["run.runtime=local"] if local else [])]
     if allow_changes and resume is None:
         _fail("--allow-changes only applies with --resume")
@@ -75,7 +77,7 @@ def train(
             result = run_train(config, overrides, console=console)
         except RunFailed as err:
             _run_failed(err)
-    raise typer.Exit(130 if result.interrupted else 0)
+    raise typer.Exit(result.exit_status)
 
 
 def _run_failed(err: Exception) -> None:
@@ -103,23 +105,25 @@ def serve_reward(
                                        "this machine only; 0.0.0.0 exposes it to the network)"),
     port: Optional[int] = typer.Option(None, help="HTTP port (default serve.port, 8000; 0 picks a free one)"),
 ) -> None:
-    """Start the reward-ensemble Serve application alone and serve it until Ctrl-C."""
+    """Start the reward-ensemble Serve application alone and serve it until Ctrl-C or SIGTERM."""
+    import ray
     from ray import serve
 
     from steadyrl.services.serving import HEALTH_ROUTE, MODELS_ROUTE, ROUTE_PREFIX, SCORE_ROUTE, deploy_reward_app
     from steadyrl.services.runtime import init_ray, start_serve
     from steadyrl.services.testbeds import build_testbed
 
+    stop_on_sigterm()
     extra = ([f"serve.host={host}"] if host is not None else []) + ([f"serve.port={port}"] if port is not None else [])
     _, _, cfg = _load((args or []) + extra)
     s = cfg.serve
-    try:
-        auth = s.auth_token() is not None  # fail here, before Ray starts, if the named token is missing
+    try:  # read the token (and drop its variable from the environment) before Ray starts; fail here if missing
+        auth = s.token_sha256() is not None
     except ValueError as err:
         _fail(str(err))
     testbed = build_testbed(cfg)
     testbed.prepare_rewards()
-    init_ray(cfg.ray.address, cfg.ray.num_cpus)
+    init_ray(cfg.ray.address, cfg.ray.num_cpus, cfg.ray.local_network)
     _, bound = start_serve(s)
     deploy_reward_app(testbed, s)
     base = f"http://{s.host}:{bound}{ROUTE_PREFIX}"
@@ -138,10 +142,11 @@ def serve_reward(
     try:
         while True:
             time.sleep(3600)
-    except KeyboardInterrupt:
+    except KeyboardInterrupt:  # Ctrl-C, or SIGTERM (`signals.Terminated`)
         console.print("shutting down")
     finally:
         serve.shutdown()
+        ray.shutdown()  # Ray's processes go with it (its atexit hook would run too late for a signal)
 
 
 @app.command("eval")

@@ -1,12 +1,13 @@
 """The whole run's config: YAML presets validated by pydantic, with `key.sub=value` overrides."""
 from __future__ import annotations
 
+import hashlib
 from pathlib import Path
 from typing import Annotated, Any, Literal, Union
 
 import yaml
 
-from pydantic import Field, ValidationError, model_validator
+from pydantic import Field, PrivateAttr, ValidationError, model_validator
 
 from steadyrl.rollout.config import DEFAULT_SAMPLER_KIND, DDIMSamplerConfig, SamplerConfig, StrictModel
 from steadyrl.services.testbeds.registry import DEFAULT_TESTBED, TESTBED_SETTINGS
@@ -53,31 +54,54 @@ class ServeConfig(StrictModel):
                              "replica killed mid-call: Serve starts a new one meanwhile); past it the step fails")
     retry_backoff_s: float = Field(1.0, ge=0, description="wait before the first retry, doubled for each next one "
                                    "(capped at 8x): time for Serve to replace a replica")
+    body_timeout_s: float = Field(30, gt=0, description="most time a REST request body may take to arrive in "
+                                  "full; 408 after: a client trickling its body cannot hold a working slot longer")
+    body_idle_timeout_s: float = Field(5, gt=0, description="most time between two pieces of a REST request body; "
+                                       "408 after: a client that stalls mid-upload is dropped")
+    max_unfinished_bodies: int | None = Field(None, ge=1, description="REST request bodies one ingress replica "
+                                              "reads at once (None: half of max_ongoing_requests). When all are "
+                                              "taken, a new upload takes the slot of the one that has sent nothing "
+                                              "for the longest (that one gets a 408). Below max_ongoing_requests, "
+                                              "so stalled uploads never hold every working slot and never keep a "
+                                              "new upload out: /healthz and other callers keep being served")
     auth_token_env: str | None = Field(None, description="name of an environment variable holding a bearer "
                                        "token; then every REST route but /healthz and the docs needs "
-                                       "`Authorization: Bearer <token>` (401 otherwise). Read where the app is "
-                                       "deployed; only its SHA-256 reaches the replicas, and nothing logs it")
+                                       "`Authorization: Bearer <token>` (401 otherwise). Read once, before Ray "
+                                       "starts, and then removed from the environment: no Ray process inherits it; "
+                                       "only its SHA-256 reaches the replicas, and nothing logs it")
     auth_token_file: str | None = Field(None, description="a file holding the bearer token (e.g. a mounted "
                                         "Kubernetes secret): the alternative to auth_token_env")
+    _token_sha256: str | None = PrivateAttr(None)
 
     @model_validator(mode="after")
     def _one_token_source(self) -> "ServeConfig":
         if self.auth_token_env and self.auth_token_file:
             raise ValueError("set serve.auth_token_env or serve.auth_token_file, not both")
+        if self.max_unfinished_bodies is not None and self.max_unfinished_bodies >= self.max_ongoing_requests:
+            raise ValueError(f"serve.max_unfinished_bodies ({self.max_unfinished_bodies}) must be below "
+                             f"serve.max_ongoing_requests ({self.max_ongoing_requests}): slow uploads would take "
+                             "every working slot of a replica")
         return self
 
-    def auth_token(self) -> str | None:
-        """The bearer token the REST API requires (None: no auth); a named source that is unset or empty is an
-        error, so a typo never silently turns auth off."""
+    def upload_slots(self) -> int:
+        """Request bodies read at once per ingress replica: `max_unfinished_bodies`, or half the working slots."""
+        return self.max_unfinished_bodies or max(1, self.max_ongoing_requests // 2)
+
+    def token_sha256(self) -> str | None:
+        """SHA-256 hex of the bearer token the REST API requires (None: no auth), read once and kept on this
+        config. A token from `auth_token_env` is then removed from this process's environment, so no process
+        started after it (Ray's, the replicas) inherits it: call this before Ray starts. A named source that is
+        unset or empty is an error, so a typo never silently turns auth off."""
         import os
 
+        if self._token_sha256 is not None or not (self.auth_token_env or self.auth_token_file):
+            return self._token_sha256
         if self.auth_token_env:
-            token = os.environ.get(self.auth_token_env, "").strip()
+            token = os.environ.pop(self.auth_token_env, "").strip()
             if not token:
                 raise ValueError(f"serve.auth_token_env={self.auth_token_env!r}: that environment variable is "
                                  "unset or empty")
-            return token
-        if self.auth_token_file:
+        else:
             path = Path(self.auth_token_file).expanduser()
             try:
                 token = path.read_text().strip()
@@ -85,13 +109,22 @@ class ServeConfig(StrictModel):
                 raise ValueError(f"serve.auth_token_file={str(path)!r}: cannot read it ({err.strerror})") from None
             if not token:
                 raise ValueError(f"serve.auth_token_file={str(path)!r} is empty")
-            return token
-        return None
+        self._token_sha256 = token_digest(token)
+        return self._token_sha256
+
+
+def token_digest(token: str) -> str:
+    """SHA-256 hex of a bearer token: what the replicas hold and compare against."""
+    return hashlib.sha256(token.encode()).hexdigest()
 
 
 class RayConfig(StrictModel):
     address: str | None = Field(None, description="None: $RAY_ADDRESS or a new local Ray")
     num_cpus: int | None = Field(None, ge=1, description="for a new local Ray; None = all cores")
+    local_network: Literal["loopback", "all"] = Field(
+        "loopback", description="interfaces a new local Ray listens on (GCS, raylet, object manager, agents, "
+        "Prometheus metrics): loopback keeps them to this machine; all (Ray's own default) lets other machines "
+        "join it and scrape its metrics, which need no login. A cluster joined through ray.address keeps its own")
     rollout_workers: int = Field(1, ge=1, description="each samples its share of the prompts (classes)")
     actor_cpus: float = Field(0.5, gt=0)
     rollout_gpus: float = Field(0, ge=0, description="GPUs each rollout worker asks Ray for; > 0 places its "

@@ -30,6 +30,7 @@ from steadyrl.services.remote import ComponentFailed
 from steadyrl.services.report import MetricsWriter, read_metrics, save_curves
 from steadyrl.services.resume import check_resume, record_resume
 from steadyrl.services.rollout_pool import ACTORS_FILE  # noqa: F401 - where a run lists its actors
+from steadyrl.services.signals import stop_status
 from steadyrl.services.testbeds import build_testbed
 
 
@@ -40,6 +41,7 @@ class RunResult:
     base_eval: dict[str, Any] | None
     final_eval: dict[str, Any] | None
     interrupted: bool = False
+    exit_status: int = 0  # 130 after Ctrl-C, 143 after SIGTERM (`signals.stop_status`)
     timing: dict[str, float] = field(default_factory=dict)
 
 
@@ -90,7 +92,7 @@ class Controller:
     # ---------------------------------------------------------------- the loop
     def run(self) -> RunResult:
         cfg = self.cfg
-        interrupted = False
+        interrupted, exit_status = False, 0
         start = steps_done = 0
         writer: MetricsWriter | None = None
         timing_sums: dict[str, float] = {}
@@ -132,8 +134,8 @@ class Controller:
         except ComponentFailed as err:
             raise RunFailed(f"{err.during(steps_done + 1)}; nothing after step {steps_done} was kept"
                             + resume_hint(self.run_dir)) from None
-        except KeyboardInterrupt:
-            interrupted = True
+        except KeyboardInterrupt as err:  # Ctrl-C, or SIGTERM (`signals.Terminated`)
+            interrupted, exit_status = True, stop_status(err)
             ckpt = latest_checkpoint(self.run_dir)
             self.console.print(f"[yellow]interrupted after step {steps_done}; last checkpoint: "
                                f"{ckpt if ckpt else 'none'} (resume with `steadyrl train --resume {self.run_dir}`)",
@@ -145,7 +147,7 @@ class Controller:
         save_curves(read_metrics(self.run_dir), self.evals, self.run_dir / "curves.png")
         n = max(1, steps_done - start)
         result = RunResult(self.run_dir, steps_done, self.evals[0] if self.evals and self.evals[0]["step"] == 0 else None,
-                           self.evals[-1] if self.evals else None, interrupted,
+                           self.evals[-1] if self.evals else None, interrupted, exit_status,
                            {k: v / n for k, v in timing_sums.items()})
         if cfg.run.progress:
             self.console.print(summary_table(result, self.testbed.labels, self.testbed.headline))

@@ -4,8 +4,11 @@ from __future__ import annotations
 import json
 import logging
 import os
+import socket
 import sys
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterator
 
 import ray
 from ray import serve
@@ -13,6 +16,7 @@ from ray import serve
 from steadyrl.rollout.cache import cache_root, torch_extensions_dir
 from steadyrl.services.config import ServeConfig
 from steadyrl.services.rank_env import free_port, set_rank_env  # noqa: F401 - also imported from here
+from steadyrl.services.signals import stop_on_sigterm
 
 OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
 
@@ -36,8 +40,10 @@ def job_env_vars() -> dict[str, str]:
     return dict((json.loads(raw).get("runtime_env") or {}).get("env_vars") or {})
 
 
-def init_ray(address: str | None = None, num_cpus: int | None = None) -> str:
-    """Join a running Ray (address / $RAY_ADDRESS) or start a local one.
+def init_ray(address: str | None = None, num_cpus: int | None = None, local_network: str = "loopback") -> str:
+    """Join a running Ray (address / $RAY_ADDRESS) or start a local one, listening on loopback only unless
+    `local_network` is "all" (`ray.local_network`). SIGTERM then stops this process like Ctrl-C
+    (`signals.stop_on_sigterm`, replacing the handler `ray.init` installs).
 
     Returns 'existing' (this process was already connected), 'joined' (connected to a running
     cluster, e.g. inside `ray job submit`) or 'local' (started a new local Ray).
@@ -46,18 +52,52 @@ def init_ray(address: str | None = None, num_cpus: int | None = None) -> str:
         os.environ.setdefault(k, v)
     if ray.is_initialized():
         return "existing"
-    joining = bool(address or os.environ.get("RAY_ADDRESS"))
+    joining = address or os.environ.get("RAY_ADDRESS")
     logging.getLogger("ray").setLevel(logging.WARNING)
-    ray.init(
-        address=address,
-        num_cpus=None if joining else num_cpus,
-        include_dashboard=False,
-        log_to_driver=False,
-        logging_level=logging.WARNING,
-        runtime_env={"env_vars": {k: v for k, v in worker_env().items() if k not in job_env_vars()}},
-        configure_logging=True,
-    )
+    loopback = _listens_on_loopback_only(joining) if joining else local_network == "loopback"
+    with _node_address_on_loopback(loopback):
+        ray.init(
+            address=address,
+            num_cpus=None if joining else num_cpus,
+            include_dashboard=False,
+            log_to_driver=False,
+            logging_level=logging.WARNING,
+            runtime_env={"env_vars": {k: v for k, v in worker_env().items() if k not in job_env_vars()}},
+            configure_logging=True,
+        )
+    stop_on_sigterm()
     return "joined" if joining else "local"
+
+
+def _listens_on_loopback_only(address: str) -> bool:
+    """Whether `address` is a Ray on this machine that listens on loopback only (one started with
+    `ray.local_network=loopback`): it must then be joined on loopback too, since Ray turns 127.0.0.1 into this
+    machine's network address, where nothing answers."""
+    from ray._private.services import get_node_ip_address
+
+    host, _, port = address.split("://")[-1].rpartition(":")
+    if host.strip("[]") not in ("127.0.0.1", "localhost", "::1") or not port.isdigit():
+        return False
+    try:
+        socket.create_connection((get_node_ip_address(), int(port)), timeout=1).close()
+    except OSError:
+        return True
+    return False
+
+
+@contextmanager
+def _node_address_on_loopback(loopback: bool) -> Iterator[None]:
+    """While a local Ray starts, take 127.0.0.1 as this node's address, as Ray itself does on macOS and Windows
+    (`RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER`): every server it starts (GCS, raylet, object manager, agents,
+    Prometheus metrics) then binds loopback instead of all interfaces."""
+    from ray._private import ray_constants
+
+    before = ray_constants.ENABLE_RAY_CLUSTER
+    ray_constants.ENABLE_RAY_CLUSTER = before and not loopback
+    try:
+        yield
+    finally:
+        ray_constants.ENABLE_RAY_CLUSTER = before
 
 
 def start_serve(cfg: ServeConfig, logs_dir: Path | None = None) -> tuple[bool, int]:

@@ -6,6 +6,7 @@ and deleted at the end, so the other tests' app never changes.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 
@@ -328,8 +329,6 @@ def test_token_ids_score_like_text_and_bad_ids_name_the_field(guarded_url):
 
 def test_only_the_tokens_digest_reaches_the_replicas(monkeypatch):
     """The app's bound arguments (what Serve ships to, and keeps for, its replicas) hold a SHA-256, not the token."""
-    import hashlib
-
     from steadyrl.services.config import ServeConfig
     from steadyrl.services.serving import build_reward_app
 
@@ -347,14 +346,26 @@ def test_a_missing_token_source_fails_naming_the_setting(monkeypatch, tmp_path):
 
     monkeypatch.delenv("STEADYRL_NO_SUCH_TOKEN", raising=False)
     with pytest.raises(ValueError, match="serve.auth_token_env='STEADYRL_NO_SUCH_TOKEN'"):
-        ServeConfig(auth_token_env="STEADYRL_NO_SUCH_TOKEN").auth_token()
+        ServeConfig(auth_token_env="STEADYRL_NO_SUCH_TOKEN").token_sha256()
     with pytest.raises(ValueError, match="serve.auth_token_file"):
-        ServeConfig(auth_token_file=str(tmp_path / "none")).auth_token()
+        ServeConfig(auth_token_file=str(tmp_path / "none")).token_sha256()
     (tmp_path / "token").write_text(f"  {TOKEN}\n")
-    assert ServeConfig(auth_token_file=str(tmp_path / "token")).auth_token() == TOKEN
-    assert ServeConfig().auth_token() is None
+    digest = hashlib.sha256(TOKEN.encode()).hexdigest()
+    assert ServeConfig(auth_token_file=str(tmp_path / "token")).token_sha256() == digest
+    assert ServeConfig().token_sha256() is None
     with pytest.raises(ConfigError, match="not both"):
         load_config(None, ["serve.auth_token_env=X", f"serve.auth_token_file={tmp_path / 'token'}"])
+
+
+def test_a_token_variable_is_read_once_and_removed_from_the_environment(monkeypatch):
+    """What keeps it out of Ray's processes: they start after the token is read and inherit no copy."""
+    from steadyrl.services.config import ServeConfig
+
+    monkeypatch.setenv(TOKEN_ENV, TOKEN)
+    cfg = ServeConfig(auth_token_env=TOKEN_ENV)
+    digest = cfg.token_sha256()
+    assert digest == hashlib.sha256(TOKEN.encode()).hexdigest() and TOKEN_ENV not in os.environ
+    assert cfg.token_sha256() == digest  # kept on the config: the app built later needs no variable
 
 
 def test_the_rayservice_builder_builds_the_app_a_config_describes():

@@ -2,7 +2,9 @@
 
     png          base64 PNG <-> pixels
     schemas      the REST contract: routes, request and response bodies, each testbed's `RestProfile`
-    guard        bearer token, body-size limit, 422s that name fields
+    uploads      reading a body against slow clients: deadlines and a bounded pool of uploads
+    guard        the gate before any JSON is parsed: token, content type, size, the body (`uploads`)
+    errors       422s with short field paths and 400s that say why parsing failed; never the input
     rest         the ingress's FastAPI app
     deployments  one deployment per reward model and the ensemble ingress
     app          build, deploy or reuse the application; the Serve config builder
@@ -17,8 +19,8 @@ from typing import Any
 _WHERE = {
     "app": ("APP_NAME", "ROUTE_PREFIX", "app_builder", "app_digest", "build_reward_app", "deploy_reward_app",
             "running_app_digest"),
-    "deployments": ("IngressSettings", "RestSettings", "RewardEnsembleIngress", "RewardModelDeployment"),
-    "guard": ("token_digest",),
+    "deployments": ("IngressSettings", "RewardEnsembleIngress", "RewardModelDeployment"),
+    "guard": ("RestSettings", "token_digest"),
     "png": ("MAX_IMAGE_SIDE", "decode_png", "encode_png"),
     "rest": ("build_rest_api",),
     "schemas": ("HEALTH_ROUTE", "MODELS_ROUTE", "SCORE_ROUTE", "AnyScoreRequest", "ArithRequest", "DigitsRequest",

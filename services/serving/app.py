@@ -10,8 +10,8 @@ from ray import serve
 
 from steadyrl.reward.ensemble_spec import EnsembleSpec
 from steadyrl.services.config import ServeConfig
-from steadyrl.services.serving.deployments import (IngressSettings, RestSettings, RewardEnsembleIngress,
-                                                   RewardModelDeployment)
+from steadyrl.services.serving.deployments import IngressSettings, RewardEnsembleIngress, RewardModelDeployment
+from steadyrl.services.serving.guard import RestSettings
 from steadyrl.services.serving.schemas import RestProfile
 
 if TYPE_CHECKING:
@@ -21,7 +21,8 @@ APP_NAME = "reward"
 ROUTE_PREFIX = "/reward"
 # ServeConfig fields that shape the app (host/port are the proxy's; timeouts and retries are the callers')
 APP_SETTINGS = ("replica_cpus", "replica_gpus", "batching", "max_batch_size", "batch_wait_timeout_s",
-                "max_ongoing_requests", "max_request_samples", "max_body_bytes")
+                "max_ongoing_requests", "max_request_samples", "max_body_bytes", "body_timeout_s",
+                "body_idle_timeout_s", "max_unfinished_bodies")
 
 
 def build_reward_app(testbed: "Testbed", serve_cfg: ServeConfig | None = None) -> serve.Application:

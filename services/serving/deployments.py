@@ -19,13 +19,17 @@ from steadyrl.reward.ensemble import EnsembleScores, combine_scores
 from steadyrl.reward.factory import build_reward_model, parse_reward_spec
 from steadyrl.reward.verifiers import VerifierReward
 from steadyrl.rollout.digits import IMAGE_SHAPE
-from steadyrl.services.config import ServeConfig
-from steadyrl.services.serving.guard import token_digest
+from steadyrl.services.serving.errors import HEALTH_TIMEOUT_S, ModelsNotAnswering
+from steadyrl.services.serving.guard import RestSettings
 from steadyrl.services.serving.rest import build_rest_api
 from steadyrl.services.serving.schemas import (SCORE_ROUTE, Batch, HealthResponse, ModelInfo, ModelsResponse,
                                                RestProfile, ScoreResponse)
 
 HEALTH_PROMPT = "health check"
+
+
+async def _result(response: Any) -> Any:
+    return await response
 
 
 def _is_prompts(cond: Any) -> bool:
@@ -99,20 +103,6 @@ class RewardModelDeployment:
             out = self.model.score(torch.zeros(1, *IMAGE_SHAPE), torch.zeros(1, dtype=torch.long))
         if not bool(torch.isfinite(out).all()):
             raise RuntimeError(f"reward model {self.name} returns non-finite scores")
-
-
-@dataclass(frozen=True)
-class RestSettings:
-    """What the ingress's REST app needs from `ServeConfig` (the token only as its SHA-256)."""
-
-    max_samples: int = 256
-    max_body_bytes: int = 16 * 2**20
-    token_sha256: str | None = None
-
-    @classmethod
-    def from_config(cls, cfg: ServeConfig) -> "RestSettings":
-        token = cfg.auth_token()
-        return cls(cfg.max_request_samples, cfg.max_body_bytes, None if token is None else token_digest(token))
 
 
 @dataclass(frozen=True)
@@ -212,8 +202,19 @@ class RewardEnsembleIngress:
             monitors={k: v.tolist() for k, v in out.monitors.items()},
         )
 
-    async def model_infos(self) -> list[dict[str, Any]]:
-        return await asyncio.gather(*[m.info.remote() for m in self.members + self.monitors])
+    async def model_infos(self, timeout_s: float | None = None) -> list[dict[str, Any]]:
+        """Every model's `info`, members then monitors; `ModelsNotAnswering` names those that fail or take over
+        `timeout_s` (a replica being replaced)."""
+        names = self.member_names + self.monitor_names
+        calls = {name: asyncio.ensure_future(_result(m.info.remote()))
+                 for name, m in zip(names, self.members + self.monitors)}
+        await asyncio.wait(calls.values(), timeout=timeout_s)
+        silent = [name for name, call in calls.items() if not call.done() or call.exception() is not None]
+        for call in calls.values():
+            call.cancel()
+        if silent:
+            raise ModelsNotAnswering(silent, timeout_s)
+        return [call.result() for call in calls.values()]
 
     async def models(self) -> ModelsResponse:
         infos = await self.model_infos()
@@ -226,4 +227,5 @@ class RewardEnsembleIngress:
     async def health(self) -> HealthResponse:
         return HealthResponse(status="ok", testbed=self.testbed, route=SCORE_ROUTE, members=self.member_names,
                               monitors=self.monitor_names, gold=self.monitor_names[0] if self.monitor_names else None,
-                              train_on=self.train_on, feature_model=self.feature_model, models=await self.model_infos())
+                              train_on=self.train_on, feature_model=self.feature_model,
+                              models=await self.model_infos(HEALTH_TIMEOUT_S))

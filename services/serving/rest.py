@@ -7,8 +7,11 @@ from typing import TYPE_CHECKING, Any
 from fastapi import FastAPI, Security
 from fastapi.exceptions import RequestValidationError
 from fastapi.security import HTTPBearer
+from ray.exceptions import RayActorError
+from starlette.exceptions import HTTPException
 
-from steadyrl.services.serving.guard import RestGuard, validation_error
+from steadyrl.services.serving.errors import HEALTH_TIMEOUT_S, ModelsNotAnswering, parse_error, validation_error
+from steadyrl.services.serving.guard import RestGuard
 from steadyrl.services.serving.schemas import (HEALTH_ROUTE, LEGACY_ROUTES, MODELS_ROUTE, SCORE_ROUTE, ErrorDetail, HealthResponse, ModelsResponse, ScoreResponse,
                                                ValidationErrorResponse, with_max_samples)
 
@@ -31,39 +34,59 @@ def build_rest_api(ens: "RewardEnsembleIngress") -> FastAPI:
         "larger). " + ("Every route but /healthz and the docs needs `Authorization: Bearer <token>`." if auth else
                        "No token is needed (serve.auth_token_env / auth_token_file turn one on)."))
     api.add_exception_handler(RequestValidationError, validation_error)
-    api.add_middleware(RestGuard, max_body_bytes=rest.max_body_bytes, token_sha256=rest.token_sha256)
+    api.add_exception_handler(HTTPException, parse_error)
+    api.add_middleware(RestGuard, settings=rest)
     errors: dict[int | str, dict[str, Any]] = {
+        400: {"model": ErrorDetail, "description": "the body cannot be parsed; `detail` says why where the parser "
+              "does (nesting too deep, a number over 4300 digits, not UTF-8)"},
+        408: {"model": ErrorDetail, "description": f"the body did not arrive within {rest.body_timeout_s:g} s, "
+              f"stalled for {rest.body_idle_timeout_s:g} s (serve.body_timeout_s, serve.body_idle_timeout_s), or "
+              f"stalled while newer uploads needed its slot (one of {rest.upload_slots}, "
+              "serve.max_unfinished_bodies)"},
         413: {"model": ErrorDetail, "description": "body over serve.max_body_bytes (refused before parsing)"},
+        415: {"model": ErrorDetail, "description": "the body is not sent as `Content-Type: application/json`"},
         422: {"model": ValidationErrorResponse, "description": "a field is missing, malformed or out of range; "
-              "`loc` names it"},
-        400: {"model": ErrorDetail, "description": "the body cannot be read as JSON numbers (e.g. a number over "
-              "4300 digits)"}}
+              "`loc` names it (long keys cut, the input never echoed)"},
+        503: {"model": ErrorDetail, "description": "a reward model is being replaced (its replica died): retry "
+              "after the `Retry-After` seconds"}}
     secured: dict[str, Any] = {}
     if auth:
         errors[401] = {"model": ErrorDetail, "description": "no bearer token, or the wrong one"}
         secured = {"dependencies": [Security(HTTPBearer(auto_error=False, description="serve.auth_token_env / "
                                                         "serve.auth_token_file; checked before the body is read"))]}
 
+    async def scored(batch: Any) -> ScoreResponse:
+        try:
+            return await ens.score_request(batch)
+        except RayActorError:  # a reward model's replica died mid-call: Serve is starting a new one
+            raise HTTPException(status_code=503, headers={"Retry-After": "2"}, detail="a reward model's replica "
+                                "died during this request and is being replaced: retry") from None
+
     @api.post(SCORE_ROUTE, response_model=ScoreResponse, responses=errors, summary=f"Score {testbed} samples",
               **secured)
     async def score(request: request_model) -> ScoreResponse:  # type: ignore[valid-type]
-        return await ens.score_request(request.batch())
+        return await scored(request.batch())
 
     @api.get(MODELS_ROUTE, response_model=ModelsResponse, summary="The reward models of this app",
              responses={401: errors[401]} if auth else None, **secured)
     async def models() -> ModelsResponse:
         return await ens.models()
 
-    @api.get(HEALTH_ROUTE, response_model=HealthResponse, summary="Every model answers (no token needed)")
+    @api.get(HEALTH_ROUTE, response_model=HealthResponse, summary="Every model answers (no token needed)",
+             responses={503: {"model": ErrorDetail, "description": "a model did not answer within "
+                              f"{HEALTH_TIMEOUT_S:g} s (its replica is being replaced); `detail` names it"}})
     async def healthz() -> HealthResponse:
-        return await ens.health()
+        try:
+            return await ens.health()
+        except ModelsNotAnswering as err:
+            raise HTTPException(status_code=503, detail=str(err), headers={"Retry-After": "2"}) from None
 
     if profile.legacy_route is not None and profile.legacy_request is not None:
         legacy_model = with_max_samples(profile.legacy_request, rest.max_samples)
 
         @api.post(profile.legacy_route, response_model=ScoreResponse, include_in_schema=False, deprecated=True)
         async def score_legacy(request: legacy_model) -> ScoreResponse:  # type: ignore[valid-type]
-            return await ens.score_request(request.batch())
+            return await scored(request.batch())
 
     also = "" if profile.legacy_route is None else f" (or the deprecated {profile.legacy_route})"
 

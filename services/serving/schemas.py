@@ -12,7 +12,7 @@ REST, under the route prefix (default /reward):
     POST /score, /score_text, /score_images   deprecated pre-v1 bodies (parallel arrays), not in the OpenAPI
 
 `serve.max_request_samples` caps the samples per request (`with_max_samples`: a 422 naming `samples` and the
-limit). A 422 names the field and never echoes the input (`guard.validation_error`).
+limit). A 422 names the field and never echoes the input (`errors.validation_error`).
 """
 
 from dataclasses import dataclass
