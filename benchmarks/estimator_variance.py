@@ -5,8 +5,10 @@ On policy (theta = theta_old) the true log-ratio is 0; what an estimator gives i
     log rho_hat = ell_hat(masks A) - ell_hat(masks B),   ell_hat = (1/n) sum_j ell_j
 
 with A and B drawn independently (StableDRL's noisy-ratio setting; with shared masks it is exactly 0).
-For each estimator (rollout/likelihood.py: one_step (d1), elbo (l ~ U{1..L}), coupled (mask + complement))
-and n in {1, 2, 4, 8, 16}, on completions sampled from the pre-trained arith model, this measures
+For each estimator and mask scheme (rollout/likelihood.py: one_step (d1); elbo and coupled (mask + complement)
+with uniform (l ~ U{1..L}) and stratified (LLaDA's counts spread over the n samples) masks; elbo with
+block_random (SPG: blocks of `--block-length`, earlier positions and the prompt masked with p)) and n in
+{1, 2, 4, 8, 16}, on completions sampled from the pre-trained arith model, this measures
 
     Var[log rho_hat]  per sequence (over `--draws` independent mask pairs), averaged over sequences,
     and the forward passes each estimate costs (coupled: 2n, otherwise n),
@@ -15,7 +17,7 @@ in `logp_reduce: sum` units (the log-likelihood of the completion). The one-step
 randomness is its prompt mask (p = 0.15): low variance, but it estimates a different quantity (every
 completion token masked at once), not the ELBO.
 
-    python benchmarks/estimator_variance.py   # 13 min on 2 busy cores -> benchmarks/results/estimator_variance/
+    python benchmarks/estimator_variance.py   # ~6 min on 2 cores -> benchmarks/results/estimator_variance/
 """
 from __future__ import annotations
 
@@ -31,10 +33,15 @@ from rich.progress import track
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-ESTIMATORS = ("one_step", "elbo", "coupled")
+VARIANTS = (("one_step", "uniform"), ("elbo", "uniform"), ("elbo", "stratified"), ("elbo", "block_random"),
+            ("coupled", "uniform"), ("coupled", "stratified"))  # (estimator, mask scheme)
 
 
-def measure(n_values: list[int], draws: int, prompts: int, per_prompt: int, seed: int) -> dict:
+def label(estimator: str, scheme: str) -> str:
+    return estimator if estimator == "one_step" else f"{estimator}/{scheme}"
+
+
+def measure(n_values: list[int], draws: int, prompts: int, per_prompt: int, seed: int, block_length: int) -> dict:
     from safetensors.torch import load_file
 
     from steadyrl.rollout.likelihood import draw_masks, estimate
@@ -51,23 +58,25 @@ def measure(n_values: list[int], draws: int, prompts: int, per_prompt: int, seed
     gen = torch.Generator().manual_seed(seed + 1)
     rows = []
     with torch.no_grad():
-        for estimator in ESTIMATORS:
-            for n in track(n_values, description=f"{estimator:9s}"):
+        for estimator, scheme in VARIANTS:
+            for n in track(n_values, description=f"{label(estimator, scheme):20s}"):
                 # 2 * draws independent n-sample estimates per sequence, all in one batched forward per MC sample
-                masks = draw_masks(estimator, B * 2 * draws, n, L, P, sampler.cfg.prompt_mask_prob, gen)
+                masks = draw_masks(estimator, B * 2 * draws, n, L, P, sampler.cfg.prompt_mask_prob, gen, scheme,
+                                   block_length)
                 cond, samples = batch.cond.repeat(2 * draws, 1), batch.samples.repeat(2 * draws, 1)
                 ell = torch.stack([estimate(model, estimator, cond, samples, (masks.completion[:, j], masks.prompt[:, j]),
                                             sampler.mask_token_id, "sum").logp for j in range(n)], 1).mean(1)
                 ell = ell.view(2, draws, B)
                 log_rho = ell[0] - ell[1]  # [draws, B]
-                rows.append({"estimator": estimator, "n": n, "forwards": n * (2 if estimator == "coupled" else 1),
+                rows.append({"estimator": estimator, "scheme": scheme, "n": n, "forwards": n * (2 if estimator == "coupled" else 1),
                              "var_log_rho": float(log_rho.var(0).mean()),
                              "var_log_rho_sem": float(log_rho.var(0).std() / B**0.5),
                              "mean_log_rho": float(log_rho.mean()),
                              "mean_ell": float(ell.mean()), "var_ell": float(ell.reshape(-1, B).var(0).mean())})
     return {"setting": {"model": "arith-grpo.yaml base model (pre-trained, float64)", "sequences": B,
                         "draws_per_sequence": draws, "gen_length": L, "reduce": "sum",
-                        "prompt_mask_prob": sampler.cfg.prompt_mask_prob, "seed": seed},
+                        "prompt_mask_prob": sampler.cfg.prompt_mask_prob, "block_length (block_random)": block_length,
+                        "seed": seed},
             "rows": rows}
 
 
@@ -78,10 +87,10 @@ def plot(result: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
-    for estimator in ESTIMATORS:
-        rs = [r for r in result["rows"] if r["estimator"] == estimator]
-        axes[0].plot([r["n"] for r in rs], [r["var_log_rho"] for r in rs], "o-", label=estimator)
-        axes[1].plot([r["forwards"] for r in rs], [r["var_log_rho"] for r in rs], "o-", label=estimator)
+    for estimator, scheme in VARIANTS:
+        rs = [r for r in result["rows"] if (r["estimator"], r["scheme"]) == (estimator, scheme)]
+        axes[0].plot([r["n"] for r in rs], [r["var_log_rho"] for r in rs], "o-", label=label(estimator, scheme))
+        axes[1].plot([r["forwards"] for r in rs], [r["var_log_rho"] for r in rs], "o-", label=label(estimator, scheme))
     for ax, xlabel in zip(axes, ("MC samples n", "forward passes per estimate")):
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
@@ -96,9 +105,10 @@ def plot(result: dict, path: Path) -> None:
 
 
 def table(result: dict) -> str:
-    lines = ["| estimator | n | forwards | Var[log rho] | mean log rho | mean ell |", "|---|---|---|---|---|---|"]
+    lines = ["| estimator / mask scheme | n | forwards | Var[log rho] | mean log rho | mean ell |",
+             "|---|---|---|---|---|---|"]
     for r in result["rows"]:
-        lines.append(f"| {r['estimator']} | {r['n']} | {r['forwards']} | {r['var_log_rho']:.4f} ± "
+        lines.append(f"| {label(r['estimator'], r['scheme'])} | {r['n']} | {r['forwards']} | {r['var_log_rho']:.4f} ± "
                      f"{r['var_log_rho_sem']:.4f} | {r['mean_log_rho']:+.4f} | {r['mean_ell']:.3f} |")
     return "\n".join(lines) + "\n"
 
@@ -110,11 +120,12 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--per-prompt", type=int, default=4)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--block-length", type=int, default=2, help="block_random's blocks (arith completions: 4)")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "estimator_variance")
     args = parser.parse_args()
     torch.set_num_threads(2)
     t0 = time.perf_counter()
-    result = measure(args.n, args.draws, args.prompts, args.per_prompt, args.seed)
+    result = measure(args.n, args.draws, args.prompts, args.per_prompt, args.seed, args.block_length)
     result["wall_s"] = time.perf_counter() - t0
     result["command"] = "python benchmarks/estimator_variance.py " + " ".join(sys.argv[1:])
     args.out.mkdir(parents=True, exist_ok=True)

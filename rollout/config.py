@@ -86,7 +86,15 @@ class MaskedDiffusionSamplerConfig(SamplerBase):
         "shared", description="shared: old, new and reference policy see the rollout's masks (on policy the "
         "ratio is then exactly 1); "
         "independent: every likelihood evaluation draws its own (StableDRL's noisy-ratio setting)")
-    prompt_mask_prob: float = Field(0.15, ge=0, lt=1, description="one_step (d1): prompt tokens masked with this p")
+    mask_scheme: Literal["uniform", "stratified", "block_random"] = Field(
+        "uniform", description="how elbo/coupled masks are drawn (rollout/likelihood.py): uniform (each MC "
+        "sample's count l ~ U{1..L} on its own), stratified (LLaDA's likelihood: the n counts of a sequence "
+        "spread evenly over 1..L, lower variance at the same cost), block_random (SPG/StableDRL: one block per "
+        "MC sample partly masked, later positions masked, earlier ones and the prompt with prompt_mask_prob; "
+        "blocks of block_length; elbo only)")
+    prompt_mask_prob: float = Field(0.15, ge=0, lt=1, description="p: prompt tokens masked with this probability "
+                                    "by the one_step estimator (d1) and, with the positions before the chosen "
+                                    "block, by mask_scheme=block_random (SPG)")
     logp_reduce: Literal["mean", "sum"] = Field(
         "mean", description="sum: the estimate of log pi(y|x); mean: divided by gen_length (mean log-prob over "
         "the masked tokens for the elbo estimator, the per-sample form of SPG's code)")
@@ -100,6 +108,12 @@ class MaskedDiffusionSamplerConfig(SamplerBase):
         if self.num_steps % (self.gen_length // block):
             raise ValueError(f"num_steps={self.num_steps} must be a multiple of the number of blocks "
                              f"({self.gen_length // block})")
+        if self.mask_scheme != "uniform" and self.estimator == "one_step":
+            raise ValueError(f"sampler.mask_scheme={self.mask_scheme} applies to the elbo and coupled estimators; "
+                             "one_step masks the whole completion")
+        if self.mask_scheme == "block_random" and self.estimator != "elbo":
+            raise ValueError("sampler.mask_scheme=block_random needs sampler.estimator=elbo (coupled's complement "
+                             "of a block mask would unmask the later blocks)")
         return self
 
 

@@ -5,6 +5,7 @@ Generation (one batch, fixed length L, `num_steps` steps, blocks of `block_lengt
     x = [prompt | <mask> * L]
     for each block b (left to right: semi-autoregressive), for each of its num_steps / num_blocks steps:
         logits = model(x)                                   with CFG: u + (w + 1) (c - u), u = prompt masked
+                                                            (`likelihood.guided_logits`, as the estimators)
         y_hat  = argmax(logits / T + G),  G ~ Gumbel(0, 1)  in float64 (T = 0: argmax, deterministic)
         conf   = softmax(logits)[y_hat] (low_confidence) or U(0, 1) (random); -inf outside block b and
                  at positions already decoded
@@ -27,7 +28,7 @@ from torch import Tensor
 
 from steadyrl.rollout.batch import RolloutBatch
 from steadyrl.rollout.config import MaskedDiffusionSamplerConfig
-from steadyrl.rollout.likelihood import SequenceLogProb, draw_masks, estimate
+from steadyrl.rollout.likelihood import MaskDraw, SequenceLogProb, draw_masks, estimate, guided_logits
 from steadyrl.rollout.sampler import LogProb
 
 
@@ -67,15 +68,8 @@ class MaskedDiffusionSampler:
 
     # ------------------------------------------------------------------ generation
     def _logits(self, policy, x: Tensor, prompt_length: int) -> Tensor:
-        """Next-guess logits ([B, S, V]); the mask token itself is never a guess."""
-        if self.cfg.cfg_scale == 0:
-            logits = policy(x).logits
-        else:
-            uncond = x.clone()
-            uncond[:, :prompt_length] = self.mask_token_id
-            cond, un = policy(torch.cat([x, uncond])).logits.chunk(2)
-            logits = un + (self.cfg.cfg_scale + 1) * (cond - un)
-        logits = logits.clone()
+        """Next-guess logits ([B, S, V], guided as the estimators are); the mask token itself is never a guess."""
+        logits = guided_logits(policy, x, prompt_length, self.mask_token_id, self.cfg.cfg_scale).clone()
         logits[..., self.mask_token_id] = -torch.inf
         return logits
 
@@ -115,8 +109,7 @@ class MaskedDiffusionSampler:
         prompts = cond.long().repeat_interleave(n_per_cond, dim=0)
         group = (group_offset + torch.arange(len(cond))).repeat_interleave(n_per_cond)
         completion = self.generate(policy, prompts, generator)
-        masks = draw_masks(self.cfg.estimator, len(prompts), self.cfg.mc_samples, self.cfg.gen_length,
-                           prompts.shape[1], self.cfg.prompt_mask_prob, generator)
+        masks = self.draw_masks(len(prompts), prompts.shape[1], generator)
         batch = RolloutBatch(cond=prompts, group=group, samples=completion, traj=completion.unsqueeze(1),
                              old_logp=torch.zeros(len(prompts), self.cfg.mc_samples),
                              timesteps=self.timesteps.clone(), trainable=self.trainable.clone(),
@@ -133,9 +126,14 @@ class MaskedDiffusionSampler:
 
     def with_fresh_masks(self, batch: RolloutBatch, generator: torch.Generator) -> RolloutBatch:
         """The batch with newly drawn MC masks (independent of the rollout's, which the old policy keeps)."""
-        masks = draw_masks(self.cfg.estimator, len(batch), self.cfg.mc_samples, batch.samples.shape[1],
-                           batch.cond.shape[1], self.cfg.prompt_mask_prob, generator)
+        masks = self.draw_masks(len(batch), batch.cond.shape[1], generator)
         return batch.with_extras(mc_masks=masks.completion, prompt_masks=masks.prompt)
+
+    def draw_masks(self, batch_size: int, prompt_length: int, generator: torch.Generator) -> MaskDraw:
+        """The MC masks of `batch_size` sequences under this sampler's estimator and mask scheme."""
+        c = self.cfg
+        return draw_masks(c.estimator, batch_size, c.mc_samples, c.gen_length, prompt_length, c.prompt_mask_prob,
+                          generator, c.mask_scheme, c.block_length)
 
     def log_prob(self, policy, batch: RolloutBatch, step: Tensor | int) -> SequenceLogProb:
         """The estimator at MC sample(s) `step` (int or [B]) of each row, with the batch's stored masks:
@@ -144,7 +142,8 @@ class MaskedDiffusionSampler:
             step = torch.full((len(batch),), step, dtype=torch.long)
         rows = torch.arange(len(batch))
         masks = (batch.extras["mc_masks"][rows, step], batch.extras["prompt_masks"][rows, step])
-        return estimate(policy, self.cfg.estimator, batch.cond, batch.samples, masks, self.mask_token_id, self.reduce)
+        return estimate(policy, self.cfg.estimator, batch.cond, batch.samples, masks, self.mask_token_id, self.reduce,
+                        self.cfg.cfg_scale)
 
     def kl(self, new: LogProb, ref: LogProb) -> Tensor:
         """k3 estimate of KL(pi_theta || pi_ref) per sample: exp(d) - d - 1, d = log pi_ref - log pi_theta."""

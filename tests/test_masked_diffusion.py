@@ -96,6 +96,28 @@ def test_float64_recompute_equals_the_rollout_for_any_batch_split(estimator):
                                       atol=1e-9, rtol=0)
 
 
+@pytest.mark.parametrize("estimator", ["elbo", "coupled", "one_step"])
+def test_guided_estimators_score_samples_under_the_distribution_the_sampler_drew_them_from(estimator):
+    """With cfg_scale = w > 0 every estimator's per-token log-probs are log softmax(u + (w + 1)(c - u)), u the
+    pass with the prompt masked (as the sampler guides), not the plain model's; the recompute still equals the
+    rollout's stored value."""
+    model = tiny_lm()
+    w, P = 0.7, arith_prompts(4).shape[1]
+    guided = masked_sampler(estimator=estimator, mc_samples=2, gen_length=4, num_steps=4, cfg_scale=w)
+    batch = guided.sample(model, arith_prompts(4), 2, torch.Generator().manual_seed(0))
+    cmask, pmask = batch.extras["mc_masks"][:, 0], batch.extras["prompt_masks"][:, 0]
+    inputs = torch.cat([batch.cond.masked_fill(pmask, MASK), batch.samples.masked_fill(cmask, MASK)], dim=1)
+    uncond = inputs.clone()
+    uncond[:, :P] = MASK
+    c, u = model(inputs).logits[:, P:], model(uncond).logits[:, P:]
+    want = torch.log_softmax(u + (w + 1) * (c - u), -1).gather(-1, batch.samples.unsqueeze(-1)).squeeze(-1)
+    got = guided.log_prob(model, batch, 0)
+    assert torch.allclose(got.token_logp[cmask], want[cmask], atol=1e-10)
+    assert torch.allclose(got.logp, batch.old_logp[:, 0], atol=1e-12)
+    plain = masked_sampler(estimator=estimator, mc_samples=2, gen_length=4, num_steps=4).log_prob(model, batch, 0)
+    assert (plain.logp - got.logp).abs().max() > 1e-6  # guidance changes the likelihood (float64): it is applied
+
+
 def test_masks_follow_their_estimator():
     gen = torch.Generator().manual_seed(0)
     elbo = draw_masks("elbo", 2000, 1, 5, 6, 0.15, gen)
@@ -107,8 +129,68 @@ def test_masks_follow_their_estimator():
     assert one.completion.all() and abs(one.prompt.double().mean() - 0.15) < 0.02
 
 
+def test_stratified_counts_follow_llada_s_formula_and_are_each_uniform():
+    """l_j = ((round(linspace(k, k + (n-1) L/n, n)) - 1) mod L) + 1 (numpy's linspace as the reference), each
+    l_j uniform on 1..L over sequences, and the n counts of a sequence distinct when n divides L."""
+    import numpy as np
+
+    from steadyrl.rollout.likelihood import stratified_counts
+
+    B, n, L = 4000, 4, 8
+    counts = stratified_counts(B, n, L, torch.Generator().manual_seed(3))
+    k = torch.randint(1, L + 1, (B, 1), generator=torch.Generator().manual_seed(3)).numpy()
+    want = (np.round(np.stack([np.linspace(float(ki), ki + (n - 1) * L / n, n) for ki in k[:, 0]])) - 1) % L + 1
+    assert np.array_equal(counts.numpy(), want.astype(np.int64))
+    for j in range(n):
+        freq = torch.bincount(counts[:, j], minlength=L + 1)[1:].double() / B
+        assert torch.allclose(freq, torch.full((L,), 1 / L, dtype=torch.float64), atol=0.025)
+    assert all(len(set(row.tolist())) == n for row in counts)
+
+
+def test_block_random_masks_one_block_partly_every_later_position_and_earlier_ones_with_p():
+    """SPG's block-wise masks (blocks of 2 over L = 8): MC sample j's block b_j (a permutation of the blocks
+    over j), 1..2 of its positions, every later position; earlier positions and the prompt each with p."""
+    B, n, L, P, block, prob = 3000, 4, 8, 5, 2, 0.3
+    bare = draw_masks("elbo", B, n, L, P, 0.0, torch.Generator().manual_seed(7), "block_random", block)
+    full = draw_masks("elbo", B, n, L, P, prob, torch.Generator().manual_seed(7), "block_random", block)
+    assert not bare.prompt.any() and (bare.completion <= full.completion).all()  # same draws, p adds only
+    first = bare.completion.int().argmax(-1)  # with p = 0 the first masked position is in the chosen block
+    chosen = first // block
+    pos = torch.arange(L)
+    start = (chosen * block).unsqueeze(-1)
+    assert (bare.completion[pos >= start + block]).all() and not bare.completion[pos < start].any()
+    in_block = bare.completion & (pos >= start) & (pos < start + block)
+    assert ((in_block.sum(-1) >= 1) & (in_block.sum(-1) <= block)).all()
+    assert all(sorted(row.tolist()) == [0, 1, 2, 3] for row in chosen)  # n = blocks: each block once
+    earlier = full.completion[(pos < start).expand_as(full.completion)]
+    assert abs(earlier.double().mean() - prob) < 0.02 and abs(full.prompt.double().mean() - prob) < 0.02
+
+
+def test_mask_schemes_that_cannot_apply_are_refused_naming_the_setting():
+    with pytest.raises(ValueError, match="block_random needs sampler.estimator=elbo"):
+        masked_sampler(estimator="coupled", mask_scheme="block_random")
+    with pytest.raises(ValueError, match="sampler.mask_scheme=stratified applies to the elbo and coupled"):
+        masked_sampler(estimator="one_step", mask_scheme="stratified")
+
+
+@pytest.mark.parametrize("estimator, scheme", [("elbo", "stratified"), ("coupled", "stratified"),
+                                               ("elbo", "block_random")])
+def test_every_mask_scheme_keeps_the_recompute_equal_to_the_rollout(estimator, scheme):
+    model = tiny_lm()
+    s = masked_sampler(estimator=estimator, mask_scheme=scheme, mc_samples=3, gen_length=4, block_length=2,
+                       num_steps=4)
+    batch = s.sample(model, arith_prompts(4), 4, torch.Generator().manual_seed(0))
+    if scheme == "stratified":
+        counts = batch.extras["mc_masks"].sum(-1)
+        assert ((counts >= 1) & (counts <= 4)).all() and (counts.max(1).values > counts.min(1).values).all()
+    for mb in batch.split(3):
+        for j in range(3):
+            assert torch.allclose(s.log_prob(model, mb, j).logp, mb.old_logp[:, j], atol=1e-9, rtol=0)
+
+
 def test_elbo_estimator_is_unbiased_for_the_enumerated_elbo():
-    """E[(L/l) sum_{i in M} log p] equals the ELBO summed exactly over every mask (L = 3: 7 masks)."""
+    """E[(L/l) sum_{i in M} log p] equals the ELBO summed exactly over every mask (L = 3: 7 masks), with
+    uniform and stratified mask counts."""
     model = tiny_lm(2)
     task = ArithTask(digits=1, gen_length=3)
     p, y = arith_prompts(2), task.encode_completions(task.problems(0, range(2)))
@@ -122,12 +204,15 @@ def test_elbo_estimator_is_unbiased_for_the_enumerated_elbo():
             tok = token_log_probs(model, p, y, m, torch.zeros_like(p, dtype=torch.bool), MASK)
             exact += (1 / L) * (L / l) * (tok * m).sum(-1) / len(subsets)
     n = 3000
-    for estimator in ("elbo", "coupled"):
-        masks = draw_masks(estimator, 2 * n, 1, L, p.shape[1], 0.0, torch.Generator().manual_seed(1))
-        vals = estimate(model, estimator, p.repeat(n, 1), y.repeat(n, 1), (masks.completion[:, 0], masks.prompt[:, 0]),
-                        MASK, "sum").logp.view(n, 2).T
+    for estimator, scheme in (("elbo", "uniform"), ("coupled", "uniform"), ("elbo", "stratified"),
+                              ("coupled", "stratified")):
+        # 3 MC samples per draw (stratified: spread over them), each unbiased on its own
+        masks = draw_masks(estimator, 2 * n, 3, L, p.shape[1], 0.0, torch.Generator().manual_seed(1), scheme)
+        vals = sum(estimate(model, estimator, p.repeat(n, 1), y.repeat(n, 1),
+                            (masks.completion[:, j], masks.prompt[:, j]), MASK, "sum").logp for j in range(3)) / 3
+        vals = vals.view(n, 2).T
         se = vals.std(1) / math.sqrt(n)
-        assert ((vals.mean(1) - exact).abs() < 4 * se + 1e-9).all(), estimator
+        assert ((vals.mean(1) - exact).abs() < 4 * se + 1e-9).all(), (estimator, scheme)
 
 
 def test_coupled_pairs_mask_every_token_exactly_once():
