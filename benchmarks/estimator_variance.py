@@ -64,11 +64,13 @@ def measure(n_values: list[int], draws: int, prompts: int, per_prompt: int, seed
                 masks = draw_masks(estimator, B * 2 * draws, n, L, P, sampler.cfg.prompt_mask_prob, gen, scheme,
                                    block_length)
                 cond, samples = batch.cond.repeat(2 * draws, 1), batch.samples.repeat(2 * draws, 1)
-                ell = torch.stack([estimate(model, estimator, cond, samples, (masks.completion[:, j], masks.prompt[:, j]),
-                                            sampler.mask_token_id, "sum").logp for j in range(n)], 1).mean(1)
+                ell = torch.stack([estimate(model, estimator, cond, samples,
+                                            (masks.completion[:, j], masks.prompt[:, j]), sampler.mask_token_id,
+                                            "sum").logp for j in range(n)], 1).mean(1)
                 ell = ell.view(2, draws, B)
                 log_rho = ell[0] - ell[1]  # [draws, B]
-                rows.append({"estimator": estimator, "scheme": scheme, "n": n, "forwards": n * (2 if estimator == "coupled" else 1),
+                rows.append({"estimator": estimator, "scheme": scheme, "n": n,
+                             "forwards": n * (2 if estimator == "coupled" else 1),
                              "var_log_rho": float(log_rho.var(0).mean()),
                              "var_log_rho_sem": float(log_rho.var(0).std() / B**0.5),
                              "mean_log_rho": float(log_rho.mean()),
