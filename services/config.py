@@ -77,6 +77,10 @@ class ServeConfig(StrictModel):
     def _one_token_source(self) -> "ServeConfig":
         if self.auth_token_env and self.auth_token_file:
             raise ValueError("set serve.auth_token_env or serve.auth_token_file, not both")
+        return self
+
+    @model_validator(mode="after")
+    def _uploads_leave_working_slots(self) -> "ServeConfig":
         if self.max_unfinished_bodies is not None and self.max_unfinished_bodies >= self.max_ongoing_requests:
             raise ValueError(f"serve.max_unfinished_bodies ({self.max_unfinished_bodies}) must be below "
                              f"serve.max_ongoing_requests ({self.max_ongoing_requests}): slow uploads would take "

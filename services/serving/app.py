@@ -28,8 +28,9 @@ APP_SETTINGS = ("replica_cpus", "replica_gpus", "batching", "max_batch_size", "b
 def build_reward_app(testbed: "Testbed", serve_cfg: ServeConfig | None = None) -> serve.Application:
     """Bind one deployment per model of the testbed's reward ensemble (`Testbed.reward_spec`) and the ensemble
     ingress with the testbed's REST profile (`Testbed.rest`). Deployments are named `reward_<name>` (members)
-    and `monitor_<name>` (watch only). The bearer token (if `serve_cfg` asks for one) is read here, where the
-    app is built; only its SHA-256 goes to the replicas."""
+    and `monitor_<name>` (watch only). The bearer token (if `serve_cfg` asks for one) is read once
+    (`ServeConfig.token_sha256`, here unless the caller read it before Ray started); only its SHA-256 goes to
+    the replicas."""
     serve_cfg = serve_cfg or ServeConfig()
     spec, profile, rest = testbed.reward_spec(), testbed.rest, RestSettings.from_config(serve_cfg)
     return _bind(spec, profile, serve_cfg, rest, _digest(spec, profile, serve_cfg, rest))

@@ -67,14 +67,15 @@ class RestGuard:
         return scheme.lower() == "bearer" and hmac.compare_digest(token_digest(token.strip()),
                                                                   self.settings.token_sha256)
 
-    def _refusal(self, path: str, headers: dict[bytes, bytes]) -> tuple[int, str, list[tuple[bytes, bytes]]] | None:
+    def _refusal(self, path: str, headers: dict[bytes, bytes],
+                 has_body: bool) -> tuple[int, str, list[tuple[bytes, bytes]]] | None:
         """What to answer before reading the body, or None to read it."""
         s = self.settings
         if s.token_sha256 is not None and path not in OPEN_PATHS and not self._authorized(headers):
             return 401, "missing or wrong bearer token: send `Authorization: Bearer <token>`", [
                 (b"www-authenticate", b"Bearer")]
         length = headers.get(b"content-length")
-        if _announces_body(headers) and not _is_json(headers.get(b"content-type", b"")):
+        if has_body and not _is_json(headers.get(b"content-type", b"")):
             got = headers.get(b"content-type", b"").decode("latin-1")[:60] or "none"
             return 415, f"send the body as JSON with `Content-Type: application/json` (got {got})", []
         if length is not None:
@@ -91,16 +92,17 @@ class RestGuard:
         path, root = scope["path"], scope.get("root_path", "")
         path = path[len(root):] if root and path.startswith(root) else path
         headers = dict(scope["headers"])
+        has_body = _announces_body(headers)
         # a reply before the whole body was read closes the connection: nothing is left waiting on the rest
-        close = [(b"connection", b"close")] if _announces_body(headers) else []
-        refusal = self._refusal(path, headers)
+        close = [(b"connection", b"close")] if has_body else []
+        refusal = self._refusal(path, headers, has_body)
         if refusal is not None:
             status, detail, extra = refusal
             return await _reply(send, status, detail, [*extra, *close])
         s = self.settings
         upload = None
         try:
-            upload = self.uploads.admit() if _announces_body(headers) else None
+            upload = self.uploads.admit() if has_body else None
             body = await read_body(receive, upload, s.max_body_bytes, s.body_timeout_s, s.body_idle_timeout_s)
         except BodyRefused as refused:
             return await _reply(send, refused.status, refused.detail, close)
