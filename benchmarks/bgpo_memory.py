@@ -100,7 +100,8 @@ def build(batch_size: int, prompt_len: int, gen_len: int, n: int, seed: int, dev
     torch.manual_seed(seed)
     model = build_masked_lm(model_cfg, len(TOKENIZER)).to(device).train()  # no dropout in this config
     sampler = MaskedDiffusionSampler(MaskedDiffusionSamplerConfig(
-        gen_length=gen_len, num_steps=gen_len, mc_samples=n, estimator="elbo"), TOKENIZER.mask_token_id)
+        gen_length=gen_len, num_steps=gen_len, mc_samples=n, estimator="elbo"), TOKENIZER.mask_token_id,
+        TOKENIZER.eos_id, TOKENIZER.pad_id)
     gen = torch.Generator().manual_seed(seed + 1)
     B, P, L = batch_size, prompt_len, gen_len
     first = len(SPECIALS)  # character ids only (after <pad>, <mask>, <eos>)

@@ -68,6 +68,8 @@ class VerifierSpec(StrictModel):
     tokenizer: str | None = Field(None, description="decode token ids with this model's tokenizer (hub id or "
                                   "directory); None: the arith character tokenizer")
     trust_remote_code: bool = False
+    eos_token_id: int | None = Field(None, description="the completion ends at this token (default: the tokenizer's)")
+    pad_token_id: int | None = Field(None, description="left padding of prompts (default: the tokenizer's, else EOS)")
 
 
 @dataclass
@@ -82,7 +84,8 @@ class VerifierReward:
     @classmethod
     def from_spec(cls, spec: VerifierSpec) -> "VerifierReward":
         return cls(task=spec.task, partial_credit=spec.partial_credit, name=spec.name,
-                   codec=load_codec(spec.tokenizer, spec.trust_remote_code))
+                   codec=load_codec(spec.tokenizer, spec.trust_remote_code, None, spec.eos_token_id,
+                                    spec.pad_token_id))
 
     def texts(self, samples: Tensor, cond: Tensor) -> list[tuple[str, str]]:
         decode = self.codec.decode

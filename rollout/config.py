@@ -96,8 +96,12 @@ class MaskedDiffusionSamplerConfig(SamplerBase):
                                     "by the one_step estimator (d1) and, with the positions before the chosen "
                                     "block, by mask_scheme=block_random (SPG)")
     logp_reduce: Literal["mean", "sum"] = Field(
-        "mean", description="sum: the estimate of log pi(y|x); mean: divided by gen_length (mean log-prob over "
-        "the masked tokens for the elbo estimator, the per-sample form of SPG's code)")
+        "mean", description="sum: the estimate of log pi(y|x); mean: divided by the completion's scored length "
+        "(mean log-prob over the masked tokens for the elbo estimator, the per-sample form of SPG's code)")
+    score_after_eos: bool = Field(
+        False, description="score the whole fixed-length canvas, tokens after the first EOS included. False (d1, "
+        "SPG/StableDRL): positions after a completion's first EOS are masked in the model's input and left out of "
+        "every likelihood term, the EUBO and the mask counts, so padding never moves a ratio")
     group_size: int = Field(8, ge=2, description="completions per prompt: one GRPO group")
 
     @model_validator(mode="after")

@@ -24,9 +24,20 @@ How elbo/coupled masks M are drawn is the mask scheme (`sampler.mask_scheme`):
 `reduce="mean"` divides ell by L: for elbo this is the mean log-prob over the masked tokens (the
 per-sample form of SPG/StableDRL's code). The masks are drawn at rollout time and stored in the batch,
 so the old, new and reference policies see the same masks unless deliberately decoupled.
+
+Padding and EOS (what a real tokenizer's batch looks like; SPG/StableDRL's and d1's code):
+
+  prompts   left-padded to one width P; the model attends only to the real tokens (attention mask = prompt
+            mask + ones over the completion), and a model with absolute positions (BERT) gets position ids
+            counted from the first real token, so a padded row scores as the same prompt alone would.
+  EOS       V = positions up to and including the completion's first EOS. Every position after it is masked
+            in the model's input and left out of every term: L, l and M above become L_V = |V|, counts
+            l ~ U{1..L_V} (block_random: blocks of the first L_V positions) and M & V; `reduce="mean"`
+            divides by L_V. A row without EOS has V = everything.
 """
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 from typing import Literal
 
@@ -47,10 +58,29 @@ class MaskDraw:
     prompt: Tensor
 
 
+def prompt_attention(prompt: Tensor, pad_id: int | None) -> Tensor | None:
+    """[B, P] True at real prompt tokens: from a row's first non-pad token on (prompts are left-padded).
+    None when no row is padded (or there is no pad id): the model is then called without a mask."""
+    if pad_id is None:
+        return None
+    real = (prompt != pad_id).cumsum(dim=1) > 0
+    return None if bool(real.all()) else real
+
+
+def completion_valid(completion: Tensor, eos_id: int | None) -> Tensor | None:
+    """V [B, L]: True up to and including the first EOS (a row without one: everywhere); None when
+    `eos_id` is None (every position is scored, the fixed-canvas reading)."""
+    if eos_id is None:
+        return None
+    is_eos = completion == eos_id
+    return (is_eos.cumsum(dim=1) - is_eos.long()) == 0  # no EOS strictly before position i
+
+
 def draw_masks(estimator: Estimator, batch_size: int, n: int, gen_length: int, prompt_length: int,
                prompt_mask_prob: float, generator: torch.Generator, scheme: MaskScheme = "uniform",
-               block_length: int | None = None) -> MaskDraw:
-    """Draw the masks an estimator uses under a mask scheme (see the module docstring)."""
+               block_length: int | None = None, valid: Tensor | None = None) -> MaskDraw:
+    """Draw the masks an estimator uses under a mask scheme (see the module docstring); `valid` [B, L]: the
+    positions up to the first EOS, the only ones counted and chosen (None: all L)."""
     B, L, P = batch_size, gen_length, prompt_length
     if estimator == "one_step":
         completion = torch.ones(B, n, L, dtype=torch.bool)
@@ -59,99 +89,174 @@ def draw_masks(estimator: Estimator, batch_size: int, n: int, gen_length: int, p
     if estimator not in ("elbo", "coupled"):
         raise ValueError(f"sampler.estimator={estimator!r} must be one of elbo, coupled, one_step")
     if scheme == "block_random":
-        return _block_random(B, n, L, P, block_length or L, prompt_mask_prob, generator)
+        return _block_random(B, n, L, P, block_length or L, prompt_mask_prob, generator, valid)
     if scheme == "stratified":
-        count = stratified_counts(B, n, L, generator).unsqueeze(-1)
+        count = stratified_counts(B, n, L, generator, _lengths(valid)).unsqueeze(-1)
     elif scheme == "uniform":
-        count = torch.randint(1, L + 1, (B, n, 1), generator=generator)  # l ~ U{1..L}
+        if valid is None:
+            count = torch.randint(1, L + 1, (B, n, 1), generator=generator)  # l ~ U{1..L}
+        else:  # l ~ U{1..L_V}
+            count = (torch.rand(B, n, 1, generator=generator, dtype=torch.float64)
+                     * _lengths(valid).view(B, 1, 1)).long() + 1
     else:
         raise ValueError(f"sampler.mask_scheme={scheme!r} must be one of uniform, stratified, block_random")
-    return MaskDraw(_random_positions(count, B, n, L, generator), torch.zeros(B, n, P, dtype=torch.bool))
+    return MaskDraw(_random_positions(count, B, n, L, generator, valid), torch.zeros(B, n, P, dtype=torch.bool))
 
 
-def stratified_counts(batch_size: int, n: int, gen_length: int, generator: torch.Generator) -> Tensor:
-    """Mask counts [B, n]: l_j = ((round(k + j L / n) - 1) mod L) + 1 with one k ~ U{1..L} per sequence."""
-    L = gen_length
-    k = torch.randint(1, L + 1, (batch_size, 1), generator=generator).double()
+def _lengths(valid: Tensor | None) -> Tensor | None:
+    """L_V per row [B] (None without EOS handling)."""
+    return None if valid is None else valid.sum(dim=-1)
+
+
+def stratified_counts(batch_size: int, n: int, gen_length: int, generator: torch.Generator,
+                      lengths: Tensor | None = None) -> Tensor:
+    """Mask counts [B, n]: l_j = ((round(k + j L / n) - 1) mod L) + 1 with one k ~ U{1..L} per sequence
+    (L per row from `lengths` [B] when given: the positions up to the first EOS)."""
+    if lengths is None:
+        L = gen_length
+        k = torch.randint(1, L + 1, (batch_size, 1), generator=generator).double()
+    else:
+        L = lengths.view(batch_size, 1).double()
+        k = (torch.rand(batch_size, 1, generator=generator, dtype=torch.float64) * L).floor() + 1
     spread = k + torch.arange(n, dtype=torch.float64) * (L / n)
-    return (spread.round().long() - 1) % L + 1
+    return ((spread.round() - 1) % L + 1).long() if lengths is not None else (spread.round().long() - 1) % L + 1
 
 
-def _random_positions(count: Tensor, B: int, n: int, L: int, generator: torch.Generator) -> Tensor:
-    """`count` [B, n, 1] positions of each of L, drawn uniformly without replacement: [B, n, L]."""
-    rank = torch.rand(B, n, L, generator=generator).argsort(dim=-1).argsort(dim=-1)  # a uniform permutation
+def _random_positions(count: Tensor, B: int, n: int, L: int, generator: torch.Generator,
+                      valid: Tensor | None = None) -> Tensor:
+    """`count` [B, n, 1] positions of each of L (of the `valid` ones), drawn uniformly without replacement."""
+    u = torch.rand(B, n, L, generator=generator)
+    if valid is not None:
+        u = u.masked_fill(~valid.unsqueeze(1), 2.0)  # invalid positions rank last, never chosen
+    rank = u.argsort(dim=-1).argsort(dim=-1)  # a uniform permutation
     return rank < count
 
 
-def _block_random(B: int, n: int, L: int, P: int, block: int, p: float, generator: torch.Generator) -> MaskDraw:
-    """SPG/StableDRL's block-wise random masks (see the module docstring)."""
+def _block_random(B: int, n: int, L: int, P: int, block: int, p: float, generator: torch.Generator,
+                  valid: Tensor | None = None) -> MaskDraw:
+    """SPG/StableDRL's block-wise random masks (see the module docstring); with `valid`, only the blocks the
+    completion reaches are chosen and l ~ U{1..positions of the chosen block up to the EOS}."""
     n_blocks = L // block
+    lengths = torch.full((B,), L) if valid is None else valid.sum(dim=-1)
+    used = ((lengths - 1) // block + 1).clamp(min=1).view(B, 1)  # blocks holding a scored position
     perm = torch.rand(B, max(n, n_blocks), generator=generator).argsort(dim=-1)
-    chosen = (perm[:, :n] % n_blocks).unsqueeze(-1)  # [B, n, 1]
+    chosen = (perm[:, :n] % used).unsqueeze(-1)  # [B, n, 1]
     pos = torch.arange(L)
     start = chosen * block
-    in_block = (pos >= start) & (pos < start + block)
-    count = torch.randint(1, block + 1, (B, n, 1), generator=generator)  # l ~ U{1..block}
+    span = (lengths.view(B, 1, 1) - start).clamp(min=1, max=block)  # scored positions of the chosen block
+    in_block = (pos >= start) & (pos < start + span)
+    if valid is None:
+        count = torch.randint(1, block + 1, (B, n, 1), generator=generator)  # l ~ U{1..block}
+    else:
+        count = (torch.rand(B, n, 1, generator=generator, dtype=torch.float64) * span).long() + 1  # U{1..span}
     rank = torch.rand(B, n, L, generator=generator).masked_fill(~in_block, 2.0).argsort(-1).argsort(-1)
     earlier = (pos < start) & (torch.rand(B, n, L, generator=generator) < p)
     completion = (in_block & (rank < count)) | (pos >= start + block) | earlier
     return MaskDraw(completion, torch.rand(B, n, P, generator=generator) < p)
 
 
-def guided_logits(model, inputs: Tensor, prompt_length: int, mask_token_id: int, cfg_scale: float = 0.0) -> Tensor:
+def _takes_position_ids(model) -> bool:
+    """Does the model (under DeepSpeed's, peft's or torch.compile's wrapper) name `position_ids` in its forward?
+    BERT does (absolute positions); LLaDA does not (rotary positions only see offsets, so left padding under an
+    attention mask needs none)."""
+    while True:
+        if hasattr(model, "get_base_model"):
+            model = model.get_base_model()
+            continue
+        inner = getattr(model, "module", None) or getattr(model, "_orig_mod", None)
+        if not isinstance(inner, torch.nn.Module):
+            break
+        model = inner
+    return "position_ids" in inspect.signature(model.forward).parameters
+
+
+def model_logits(model, inputs: Tensor, attention: Tensor | None = None) -> Tensor:
+    """`model(inputs).logits` [B, S, V]; with a prompt attention mask [B, P] (left padding) the model gets
+    attention_mask = [attention | ones] and, where it takes them, position ids counted from the first real
+    token (SPG's `get_logits_spg`, plus positions for absolute-position models)."""
+    if attention is None:
+        return model(inputs).logits
+    full = torch.cat([attention, attention.new_ones(len(inputs), inputs.shape[1] - attention.shape[1])], dim=1)
+    kwargs = {"attention_mask": full.long()}
+    if _takes_position_ids(model):
+        kwargs["position_ids"] = (full.long().cumsum(dim=1) - 1).clamp(min=0)
+    return model(inputs, **kwargs).logits
+
+
+def guided_logits(model, inputs: Tensor, prompt_length: int, mask_token_id: int, cfg_scale: float = 0.0,
+                  attention: Tensor | None = None) -> Tensor:
     """The model's logits [B, S, V]; with classifier-free guidance (w = cfg_scale > 0)
 
         logits = u + (w + 1) (c - u),    c = model(x),  u = model(x with every prompt position masked)
 
-    in one forward pass over [x; x_uncond] (LLaDA's `get_logits`). The sampler and every estimator call this,
-    so samples are scored under the distribution they were drawn from."""
+    in one forward pass over [x; x_uncond] (LLaDA's `get_logits`), the attention mask duplicated with it. The
+    sampler and every estimator call this, so samples are scored under the distribution they were drawn from."""
     if cfg_scale == 0:
-        return model(inputs).logits
+        return model_logits(model, inputs, attention)
     uncond = inputs.clone()
     uncond[:, :prompt_length] = mask_token_id
-    cond, un = model(torch.cat([inputs, uncond])).logits.chunk(2)
+    both = None if attention is None else torch.cat([attention, attention])
+    cond, un = model_logits(model, torch.cat([inputs, uncond]), both).chunk(2)
     return un + (cfg_scale + 1) * (cond - un)
 
 
 def token_log_probs(model, prompt: Tensor, completion: Tensor, completion_mask: Tensor, prompt_mask: Tensor,
-                    mask_token_id: int, cfg_scale: float = 0.0) -> Tensor:
-    """log p(y_i | masked input) [B, L] at every completion position from one (guided) forward pass."""
+                    mask_token_id: int, cfg_scale: float = 0.0, attention: Tensor | None = None,
+                    valid: Tensor | None = None) -> Tensor:
+    """log p(y_i | masked input) [B, L] at every completion position from one (guided) forward pass; positions
+    outside `valid` (after the first EOS) are masked in the input."""
+    hidden = completion_mask if valid is None else completion_mask | ~valid
     inputs = torch.cat([prompt.masked_fill(prompt_mask, mask_token_id),
-                        completion.masked_fill(completion_mask, mask_token_id)], dim=1)
-    logits = guided_logits(model, inputs, prompt.shape[1], mask_token_id, cfg_scale)[:, prompt.shape[1]:]
+                        completion.masked_fill(hidden, mask_token_id)], dim=1)
+    logits = guided_logits(model, inputs, prompt.shape[1], mask_token_id, cfg_scale, attention)[:, prompt.shape[1]:]
     return torch.log_softmax(logits, dim=-1).gather(-1, completion.unsqueeze(-1)).squeeze(-1)
 
 
-def masked_estimate(token_logp: Tensor, mask: Tensor) -> Tensor:
-    """(L / |M|) * sum_{i in M} log p_i per sample [B] (0 where the mask is empty)."""
-    L = mask.shape[-1]
+def masked_estimate(token_logp: Tensor, mask: Tensor, length: Tensor | int | None = None) -> Tensor:
+    """(L / |M|) * sum_{i in M} log p_i per sample [B] (0 where the mask is empty); `length`: L per row
+    (L_V under EOS handling; default the mask's width)."""
+    L = mask.shape[-1] if length is None else length
     count = mask.sum(-1).clamp(min=1).to(token_logp.dtype)
     return (token_logp * mask).sum(-1) * (L / count)
 
 
 @dataclass
 class SequenceLogProb(LogProb):
-    """One MC sample's estimate `logp` [B] and what it was built from (per-token log-probs [B, L] of the
-    masked positions' pass, and the completion mask [B, L]): the masked-diffusion sampler's `log_prob`."""
+    """One MC sample's estimate `logp` [B] and what it was built from: per-token log-probs [B, L] of the
+    masked positions' pass, the scored mask M & V [B, L], and V [B, L] (positions up to the first EOS): the
+    masked-diffusion sampler's `log_prob`."""
 
     token_logp: Tensor
     mask: Tensor
+    valid: Tensor
+
+    @property
+    def lengths(self) -> Tensor:
+        """L_V per row [B]: the completion's scored length."""
+        return self.valid.sum(dim=-1)
 
 
 def estimate(model, estimator: Estimator, prompt: Tensor, completion: Tensor, masks: MaskDraw | tuple[Tensor, Tensor],
-             mask_token_id: int, reduce: str, cfg_scale: float = 0.0) -> SequenceLogProb:
+             mask_token_id: int, reduce: str, cfg_scale: float = 0.0, attention: Tensor | None = None,
+             valid: Tensor | None = None) -> SequenceLogProb:
     """The estimator's value for one MC sample per row; `masks` = (completion [B, L], prompt [B, P]);
-    `cfg_scale`: the sampler's classifier-free guidance, applied to every pass (`guided_logits`)."""
+    `cfg_scale`: the sampler's classifier-free guidance, applied to every pass (`guided_logits`); `attention`
+    [B, P]: the prompts' padding mask (None: unpadded); `valid` [B, L]: positions up to the first EOS (None:
+    all)."""
     cmask, pmask = (masks.completion, masks.prompt) if isinstance(masks, MaskDraw) else masks
-    L = completion.shape[1]
-    tok = token_log_probs(model, prompt, completion, cmask, pmask, mask_token_id, cfg_scale)
+    if valid is None:
+        valid = torch.ones_like(completion, dtype=torch.bool)
+    cmask = cmask & valid
+    length = valid.sum(-1)
+    tok = token_log_probs(model, prompt, completion, cmask, pmask, mask_token_id, cfg_scale, attention, valid)
     if estimator == "coupled":
-        partner = torch.where(cmask.all(-1, keepdim=True), cmask, ~cmask)
-        tok_partner = token_log_probs(model, prompt, completion, partner, pmask, mask_token_id, cfg_scale)
-        value = 0.5 * (masked_estimate(tok, cmask) + masked_estimate(tok_partner, partner))
+        partner = torch.where((cmask == valid).all(-1, keepdim=True), cmask, ~cmask & valid)
+        tok_partner = token_log_probs(model, prompt, completion, partner, pmask, mask_token_id, cfg_scale,
+                                      attention, valid)
+        value = 0.5 * (masked_estimate(tok, cmask, length) + masked_estimate(tok_partner, partner, length))
         tok = torch.where(cmask, tok, tok_partner)  # each token from the pass where it was masked
     else:
-        value = masked_estimate(tok, cmask)
+        value = masked_estimate(tok, cmask, length)
     if reduce == "mean":
-        value = value / L
-    return SequenceLogProb(value, tok, cmask)
+        value = value / length
+    return SequenceLogProb(value, tok, cmask, valid)

@@ -12,6 +12,10 @@ Generation (one batch, fixed length L, `num_steps` steps, blocks of `block_lengt
         commit the k highest-confidence positions of the row, k from the block's transfer schedule
                (m masked tokens over s steps: m // s each, the first m % s steps one more)
 
+Prompts of different lengths are left-padded (pad id) and the model attends only to their real tokens
+(`likelihood.model_logits`); positions after a completion's first EOS are left out of every likelihood
+term unless `score_after_eos` (`likelihood`, "Padding and EOS").
+
 Greedy decoding (T = 0, low_confidence) is deterministic: the same prompt gives the same completion.
 `argmax(logits / T + G)` is LLaDA's `argmax(exp(logits) / (-log U)^T)` written without overflow.
 
@@ -28,7 +32,15 @@ from torch import Tensor
 
 from steadyrl.rollout.batch import RolloutBatch
 from steadyrl.rollout.config import MaskedDiffusionSamplerConfig
-from steadyrl.rollout.likelihood import MaskDraw, SequenceLogProb, draw_masks, estimate, guided_logits
+from steadyrl.rollout.likelihood import (
+    MaskDraw,
+    SequenceLogProb,
+    completion_valid,
+    draw_masks,
+    estimate,
+    guided_logits,
+    prompt_attention,
+)
 from steadyrl.rollout.sampler import LogProb
 
 
@@ -51,9 +63,21 @@ class MaskedDiffusionSampler:
 
     sequence_level = True
 
-    def __init__(self, cfg: MaskedDiffusionSamplerConfig, mask_token_id: int):
+    def __init__(self, cfg: MaskedDiffusionSamplerConfig, mask_token_id: int, eos_token_id: int | None = None,
+                 pad_token_id: int | None = None):
+        """`eos_token_id`: ends a completion (needed unless `cfg.score_after_eos`); `pad_token_id`: left-pads
+        prompts (None: prompts are never padded)."""
+        if eos_token_id is None and not cfg.score_after_eos:
+            raise ValueError("the masked-diffusion sampler needs the tokenizer's EOS token id to leave positions after "
+                             "it out of the likelihood (sampler.score_after_eos=false); the tokenizer declares none: "
+                             "name one (testbed.eos_token_id) or set sampler.score_after_eos=true")
+        ids = {"mask": mask_token_id, "eos": eos_token_id, "pad": pad_token_id}
+        if mask_token_id in (eos_token_id, pad_token_id):
+            raise ValueError(f"the mask token id must differ from the EOS and pad ids, got {ids}")
         self.cfg = cfg
         self.mask_token_id = int(mask_token_id)
+        self.eos_token_id = None if eos_token_id is None else int(eos_token_id)
+        self.pad_token_id = None if pad_token_id is None else int(pad_token_id)
         n = cfg.mc_samples
         self.timesteps = torch.arange(n)
         self.trainable = torch.ones(n, dtype=torch.bool)
@@ -66,10 +90,19 @@ class MaskedDiffusionSampler:
         """Every MC sample (there is no std to threshold)."""
         return torch.arange(self.cfg.mc_samples)
 
+    # ------------------------------------------------------------------ layout
+    def attention(self, prompts: Tensor) -> Tensor | None:
+        """The prompts' padding mask [B, P] (True = real token), None when no row is padded."""
+        return prompt_attention(prompts, self.pad_token_id)
+
+    def valid(self, completion: Tensor) -> Tensor | None:
+        """V [B, L]: completion positions up to the first EOS; None under `score_after_eos` (all scored)."""
+        return None if self.cfg.score_after_eos else completion_valid(completion, self.eos_token_id)
+
     # ------------------------------------------------------------------ generation
-    def _logits(self, policy, x: Tensor, prompt_length: int) -> Tensor:
+    def _logits(self, policy, x: Tensor, prompt_length: int, attention: Tensor | None) -> Tensor:
         """Next-guess logits ([B, S, V], guided as the estimators are); the mask token itself is never a guess."""
-        logits = guided_logits(policy, x, prompt_length, self.mask_token_id, self.cfg.cfg_scale).clone()
+        logits = guided_logits(policy, x, prompt_length, self.mask_token_id, self.cfg.cfg_scale, attention).clone()
         logits[..., self.mask_token_id] = -torch.inf
         return logits
 
@@ -81,6 +114,7 @@ class MaskedDiffusionSampler:
         n_blocks = L // block
         per_block = cfg.num_steps // n_blocks
         P = prompts.shape[1]
+        attention = self.attention(prompts)
         x = torch.cat([prompts, torch.full((len(prompts), L), self.mask_token_id, dtype=torch.long)], dim=1)
         rows = torch.arange(len(prompts))
         for b in range(n_blocks):
@@ -89,7 +123,7 @@ class MaskedDiffusionSampler:
                 if k == 0:
                     continue
                 masked = x == self.mask_token_id
-                logits = self._logits(policy, x, P)
+                logits = self._logits(policy, x, P, attention)
                 guess = gumbel_argmax(logits, cfg.temperature, generator)
                 if cfg.remasking == "low_confidence":
                     conf = torch.softmax(logits.double(), dim=-1).gather(-1, guess.unsqueeze(-1)).squeeze(-1)
@@ -109,7 +143,7 @@ class MaskedDiffusionSampler:
         prompts = cond.long().repeat_interleave(n_per_cond, dim=0)
         group = (group_offset + torch.arange(len(cond))).repeat_interleave(n_per_cond)
         completion = self.generate(policy, prompts, generator)
-        masks = self.draw_masks(len(prompts), prompts.shape[1], generator)
+        masks = self.draw_masks(len(prompts), prompts.shape[1], generator, self.valid(completion))
         batch = RolloutBatch(cond=prompts, group=group, samples=completion, traj=completion.unsqueeze(1),
                              old_logp=torch.zeros(len(prompts), self.cfg.mc_samples),
                              timesteps=self.timesteps.clone(), trainable=self.trainable.clone(),
@@ -126,14 +160,16 @@ class MaskedDiffusionSampler:
 
     def with_fresh_masks(self, batch: RolloutBatch, generator: torch.Generator) -> RolloutBatch:
         """The batch with newly drawn MC masks (independent of the rollout's, which the old policy keeps)."""
-        masks = self.draw_masks(len(batch), batch.cond.shape[1], generator)
+        masks = self.draw_masks(len(batch), batch.cond.shape[1], generator, self.valid(batch.samples))
         return batch.with_extras(mc_masks=masks.completion, prompt_masks=masks.prompt)
 
-    def draw_masks(self, batch_size: int, prompt_length: int, generator: torch.Generator) -> MaskDraw:
-        """The MC masks of `batch_size` sequences under this sampler's estimator and mask scheme."""
+    def draw_masks(self, batch_size: int, prompt_length: int, generator: torch.Generator,
+                   valid: Tensor | None = None) -> MaskDraw:
+        """The MC masks of `batch_size` sequences under this sampler's estimator and mask scheme (among the
+        `valid` positions: up to each completion's first EOS)."""
         c = self.cfg
         return draw_masks(c.estimator, batch_size, c.mc_samples, c.gen_length, prompt_length, c.prompt_mask_prob,
-                          generator, c.mask_scheme, c.block_length)
+                          generator, c.mask_scheme, c.block_length, valid)
 
     def log_prob(self, policy, batch: RolloutBatch, step: Tensor | int) -> SequenceLogProb:
         """The estimator at MC sample(s) `step` (int or [B]) of each row, with the batch's stored masks:
@@ -143,7 +179,7 @@ class MaskedDiffusionSampler:
         rows = torch.arange(len(batch))
         masks = (batch.extras["mc_masks"][rows, step], batch.extras["prompt_masks"][rows, step])
         return estimate(policy, self.cfg.estimator, batch.cond, batch.samples, masks, self.mask_token_id, self.reduce,
-                        self.cfg.cfg_scale)
+                        self.cfg.cfg_scale, self.attention(batch.cond), self.valid(batch.samples))
 
     def kl(self, new: LogProb, ref: LogProb) -> Tensor:
         """k3 estimate of KL(pi_theta || pi_ref) per sample: exp(d) - d - 1, d = log pi_ref - log pi_theta."""

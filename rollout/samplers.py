@@ -7,8 +7,10 @@ from steadyrl.rollout.sampler import Sampler
 
 
 def build_sampler(cfg: SamplerBase, scheduler: SchedulerConfig | None = None,
-                  mask_token_id: int | None = None) -> Sampler:
-    """DDIM (epsilon model), flow-SDE (velocity model) or masked diffusion (a masked LM), by `cfg.kind`."""
+                  mask_token_id: int | None = None, eos_token_id: int | None = None,
+                  pad_token_id: int | None = None) -> Sampler:
+    """DDIM (epsilon model), flow-SDE (velocity model) or masked diffusion (a masked LM and its tokenizer's
+    mask, EOS and pad ids), by `cfg.kind`."""
     if isinstance(cfg, DDIMSamplerConfig):
         from steadyrl.rollout.ddim import DDIMLogProbSampler
         from steadyrl.rollout.models import build_scheduler
@@ -23,6 +25,6 @@ def build_sampler(cfg: SamplerBase, scheduler: SchedulerConfig | None = None,
 
         if mask_token_id is None:
             raise ValueError("sampler.kind='masked_diffusion' needs the model's mask token id")
-        return MaskedDiffusionSampler(cfg, mask_token_id)
+        return MaskedDiffusionSampler(cfg, mask_token_id, eos_token_id, pad_token_id)
     raise ValueError(f"sampler.kind={getattr(cfg, 'kind', None)!r} is not a known sampler "
                      "(ddim, flow_sde, masked_diffusion)")

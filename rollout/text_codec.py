@@ -27,19 +27,24 @@ class HFTokenizerCodec:
     """A transformers tokenizer behind the `TextCodec` interface (no special tokens added on encode;
     special tokens dropped on decode, which stops at the first <eos>)."""
 
-    def __init__(self, name_or_path: str, trust_remote_code: bool = False, mask_token_id: int | None = None):
+    def __init__(self, name_or_path: str, trust_remote_code: bool = False, mask_token_id: int | None = None,
+                 eos_token_id: int | None = None, pad_token_id: int | None = None):
+        """EOS: `eos_token_id`, else the tokenizer's eos (or sep) token; pad: `pad_token_id`, else the tokenizer's
+        pad token, else the EOS (as d1 and SPG/StableDRL set it)."""
         from transformers import AutoTokenizer
 
         self.name = name_or_path
         self.tokenizer = AutoTokenizer.from_pretrained(name_or_path, trust_remote_code=trust_remote_code)
         tok = self.tokenizer
         mask = mask_token_id if mask_token_id is not None else tok.mask_token_id
-        eos = tok.eos_token_id if tok.eos_token_id is not None else tok.sep_token_id
+        eos = next((i for i in (eos_token_id, tok.eos_token_id, tok.sep_token_id) if i is not None), None)
         if eos is None:
-            raise ValueError(f"tokenizer of {name_or_path!r} has no eos (or sep) token to end a completion with")
+            raise ValueError(f"tokenizer of {name_or_path!r} declares no EOS (or sep) token to end a completion with: "
+                             "name its id with testbed.eos_token_id")
         self.mask_token_id = -1 if mask is None else int(mask)  # LLaDA: in the model config, not the tokenizer
         self.eos_id = int(eos)
-        self.pad_id = int(tok.pad_token_id) if tok.pad_token_id is not None else self.eos_id
+        pad = next((i for i in (pad_token_id, tok.pad_token_id) if i is not None), self.eos_id)
+        self.pad_id = int(pad)
 
     def __len__(self) -> int:
         return len(self.tokenizer)
@@ -54,10 +59,12 @@ class HFTokenizerCodec:
         return self.tokenizer.decode(ids, skip_special_tokens=True).strip()
 
 
-def load_codec(tokenizer: str | None, trust_remote_code: bool = False, mask_token_id: int | None = None) -> TextCodec:
-    """The arith character tokenizer (None), or a real model's tokenizer by hub id / local directory."""
+def load_codec(tokenizer: str | None, trust_remote_code: bool = False, mask_token_id: int | None = None,
+               eos_token_id: int | None = None, pad_token_id: int | None = None) -> TextCodec:
+    """The arith character tokenizer (None), or a real model's tokenizer by hub id / local directory (EOS and
+    pad ids overridable: `HFTokenizerCodec`)."""
     if tokenizer is None:
         from steadyrl.rollout.arith import TOKENIZER
 
         return TOKENIZER
-    return HFTokenizerCodec(tokenizer, trust_remote_code, mask_token_id)
+    return HFTokenizerCodec(tokenizer, trust_remote_code, mask_token_id, eos_token_id, pad_token_id)

@@ -168,7 +168,17 @@ def arith_prompts(n: int, seed: int = 0) -> torch.Tensor:
 
 
 def masked_sampler(**kw):
-    """A masked-diffusion sampler with the arith tokenizer's mask id; `kw` are MaskedDiffusionSamplerConfig fields."""
+    """A masked-diffusion sampler with the arith tokenizer's mask, EOS and pad ids; `kw` are
+    MaskedDiffusionSamplerConfig fields."""
     from steadyrl.rollout.masked_diffusion import MaskedDiffusionSampler
 
-    return MaskedDiffusionSampler(MaskedDiffusionSamplerConfig(**kw), MASK)
+    return MaskedDiffusionSampler(MaskedDiffusionSamplerConfig(**kw), MASK, TOKENIZER.eos_id, TOKENIZER.pad_id)
+
+
+def after_first_eos(completion: torch.Tensor, eos: int = TOKENIZER.eos_id) -> torch.Tensor:
+    """[B, L] True strictly after each row's first EOS (an independent loop, for checking `completion_valid`)."""
+    out = torch.zeros_like(completion, dtype=torch.bool)
+    for r, row in enumerate(completion.tolist()):
+        if eos in row:
+            out[r, row.index(eos) + 1:] = True
+    return out

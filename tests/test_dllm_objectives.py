@@ -9,7 +9,7 @@ from steadyrl.rollout.arith import TOKENIZER
 from steadyrl.services.runtime import free_port, set_rank_env
 from steadyrl.trainer.objectives.base import TermInputs
 from steadyrl.trainer.objectives.bgpo import BGPOPaper, BGPOPaperSettings, bgpo_bound
-from tests.helpers import arith_prompts, masked_sampler, tiny_lm
+from tests.helpers import after_first_eos, arith_prompts, masked_sampler, tiny_lm
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -152,9 +152,12 @@ def test_eubo_pieces_sum_to_the_one_graph_eubo_gradient():
     s, batch = rollout(model)
     samples = [s.log_prob(model, batch, j) for j in range(4)]
     q, eubo = eubo_statistics(samples, 1.5)
-    # the definition, written out: q_i = mean_j p_ij^beta m_ij / t_j; EUBO = mean_{i: q_i > 0} log q_i / beta
-    t = [smp.mask.double().mean(-1, keepdim=True) for smp in samples]
-    q_ref = sum(smp.token_logp.exp() ** 1.5 * smp.mask / tj for smp, tj in zip(samples, t)) / 4
+    # the definition, written out (their code): over the positions V up to the first EOS, t_j = |m_j & V| / |V|,
+    # q_i = mean_j p_ij^beta (m_ij & V_i) / t_j; EUBO = mean_{i: q_i > 0} log q_i / beta
+    valid = ~after_first_eos(batch.samples)
+    assert (~valid).any()  # some completion ends early: V matters here
+    t = [(smp.mask & valid).double().sum(-1, keepdim=True) / valid.sum(-1, keepdim=True) for smp in samples]
+    q_ref = sum(smp.token_logp.exp() ** 1.5 * (smp.mask & valid) / tj for smp, tj in zip(samples, t)) / 4
     eubo_ref = torch.stack([row[row > 0].log().mean() / 1.5 for row in q_ref])
     assert torch.allclose(q, q_ref, atol=1e-12) and torch.allclose(eubo, eubo_ref, atol=1e-12)
     (-eubo.sum()).backward()
@@ -204,7 +207,7 @@ def test_eubo_ignores_tokens_no_mask_covers_in_float32():
 
     logp = torch.log(torch.tensor([[0.5, 0.25, 0.9]])).requires_grad_(True)
     mask = torch.tensor([[True, True, False]])
-    sample = SequenceLogProb(logp.sum(-1), logp, mask)
+    sample = SequenceLogProb(logp.sum(-1), logp, mask, torch.ones_like(mask))
     q, eubo = eubo_statistics([sample], 1.5)
     t = 2 / 3
     want = (torch.log(torch.tensor(0.5 ** 1.5 / t)) + torch.log(torch.tensor(0.25 ** 1.5 / t))) / 2 / 1.5

@@ -10,7 +10,7 @@ import torch
 from steadyrl.rollout.arith import ArithTask
 from steadyrl.rollout.likelihood import draw_masks, estimate, token_log_probs
 from steadyrl.rollout.masked_diffusion import transfer_schedule
-from tests.helpers import MASK, arith_prompts, masked_sampler, tiny_lm
+from tests.helpers import MASK, after_first_eos, arith_prompts, masked_sampler, tiny_lm
 
 
 class Recorder(torch.nn.Module):
@@ -100,13 +100,15 @@ def test_float64_recompute_equals_the_rollout_for_any_batch_split(estimator):
 def test_guided_estimators_score_samples_under_the_distribution_the_sampler_drew_them_from(estimator):
     """With cfg_scale = w > 0 every estimator's per-token log-probs are log softmax(u + (w + 1)(c - u)), u the
     pass with the prompt masked (as the sampler guides), not the plain model's; the recompute still equals the
-    rollout's stored value."""
+    rollout's stored value. (Positions after a completion's first EOS are masked in the input: `after_first_eos`.)"""
     model = tiny_lm()
     w, P = 0.7, arith_prompts(4).shape[1]
     guided = masked_sampler(estimator=estimator, mc_samples=2, gen_length=4, num_steps=4, cfg_scale=w)
     batch = guided.sample(model, arith_prompts(4), 2, torch.Generator().manual_seed(0))
     cmask, pmask = batch.extras["mc_masks"][:, 0], batch.extras["prompt_masks"][:, 0]
-    inputs = torch.cat([batch.cond.masked_fill(pmask, MASK), batch.samples.masked_fill(cmask, MASK)], dim=1)
+    cmask = cmask & ~after_first_eos(batch.samples)
+    hidden = cmask | after_first_eos(batch.samples)
+    inputs = torch.cat([batch.cond.masked_fill(pmask, MASK), batch.samples.masked_fill(hidden, MASK)], dim=1)
     uncond = inputs.clone()
     uncond[:, :P] = MASK
     c, u = model(inputs).logits[:, P:], model(uncond).logits[:, P:]
@@ -182,7 +184,10 @@ def test_every_mask_scheme_keeps_the_recompute_equal_to_the_rollout(estimator, s
     batch = s.sample(model, arith_prompts(4), 4, torch.Generator().manual_seed(0))
     if scheme == "stratified":
         counts = batch.extras["mc_masks"].sum(-1)
-        assert ((counts >= 1) & (counts <= 4)).all() and (counts.max(1).values > counts.min(1).values).all()
+        scored = (~after_first_eos(batch.samples)).sum(-1, keepdim=True)  # counts spread over 1..L_V
+        assert ((counts >= 1) & (counts <= scored)).all()
+        spread = counts.max(1).values > counts.min(1).values
+        assert spread[scored.squeeze(1) > 1].all() and (scored > 1).any()
     for mb in batch.split(3):
         for j in range(3):
             assert torch.allclose(s.log_prob(model, mb, j).logp, mb.old_logp[:, j], atol=1e-9, rtol=0)

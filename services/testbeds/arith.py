@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 import numpy as np
-from pydantic import Field
+from pydantic import Field, model_validator
 from torch import Tensor, nn
 
 from steadyrl.reward.ensemble import EnsembleScores
@@ -38,6 +38,11 @@ class ArithSettings(TestbedSettings):
         "transformers implements) with its own tokenizer, instead of the tiny BERT built here (`model`, `pretrain` "
         "then unused). Its full weights go through Ray's object store: fine for small models; LoRA comes later")
     trust_remote_code: bool = Field(False, description="run the model repo's own modelling code (LLaDA needs it)")
+    eos_token_id: int | None = Field(None, ge=0, description="`pretrained`: the token that ends a completion, when "
+                                     "the tokenizer declares none (or another is wanted); positions after the first "
+                                     "one are left out of the likelihood (sampler.score_after_eos)")
+    pad_token_id: int | None = Field(None, ge=0, description="`pretrained`: the token prompts are left-padded with "
+                                     "(default: the tokenizer's pad token, else its EOS, as d1 and SPG do)")
     partial_credit: bool = Field(False, description="sudoku: reward the share of valid rows/columns/boxes")
     prompts_per_step: int = Field(16, ge=1, description="fresh problems per RL step (split over rollout workers)")
     train_seed: int = Field(202, description="seed of the RL problems (pre-training and eval use others)")
@@ -51,6 +56,14 @@ class ArithSettings(TestbedSettings):
     def max_workers(self) -> int:
         """One problem per worker at most."""
         return self.prompts_per_step
+
+    @model_validator(mode="after")
+    def _token_ids_need_a_tokenizer(self) -> "ArithSettings":
+        named = [k for k in ("eos_token_id", "pad_token_id") if getattr(self, k) is not None]
+        if named and self.pretrained is None:
+            raise ValueError(f"testbed.{named[0]} applies to a pretrained model's tokenizer (testbed.pretrained); the "
+                             "arith character tokenizer has fixed ids (<pad>=0, <eos>=2)")
+        return self
 
     def check(self, cfg: "TrainConfig") -> None:
         if self.pretrained is None and self.model.max_positions < cfg.sampler.gen_length + 20:
@@ -89,7 +102,8 @@ class ArithTestbed(Testbed):
         from steadyrl.rollout.text_codec import load_codec
 
         a = self.settings
-        return load_codec(a.pretrained, a.trust_remote_code, None if a.pretrained is None else self.mask_token_id)
+        return load_codec(a.pretrained, a.trust_remote_code, None if a.pretrained is None else self.mask_token_id,
+                          a.eos_token_id, a.pad_token_id)
 
     def base_weights(self, progress: bool = True) -> Path:
         """The tiny BERT pre-trained here, or the named model's weights (copied once into the cache as
@@ -124,12 +138,16 @@ class ArithTestbed(Testbed):
         return masked_lm_from_weights(a.model, len(TOKENIZER), weights)
 
     def build_sampler(self):
-        return build_sampler(self.cfg.sampler, mask_token_id=self.mask_token_id)
+        return self._sampler(self.cfg.sampler)
 
     def eval_sampler(self):
         """Greedy decoding (temperature 0): exact match of the policy's most likely answer."""
-        cfg = self.cfg.sampler.model_copy(update={"temperature": 0.0})
-        return build_sampler(cfg, mask_token_id=self.mask_token_id)
+        return self._sampler(self.cfg.sampler.model_copy(update={"temperature": 0.0}))
+
+    def _sampler(self, cfg):
+        """The masked-diffusion sampler with the tokenizer's mask, EOS and pad ids."""
+        codec = self.codec
+        return build_sampler(cfg, mask_token_id=self.mask_token_id, eos_token_id=codec.eos_id, pad_token_id=codec.pad_id)
 
     @property
     def eval_per_prompt(self) -> int:
@@ -158,7 +176,8 @@ class ArithTestbed(Testbed):
 
         a = self.settings
         verifier = VerifierSpec(task=a.task, partial_credit=a.partial_credit, tokenizer=a.pretrained,
-                                trust_remote_code=a.trust_remote_code)
+                                trust_remote_code=a.trust_remote_code, eos_token_id=a.eos_token_id,
+                                pad_token_id=a.pad_token_id)
         exact = verifier.model_copy(update={"partial_credit": False, "name": "exact"})
         return EnsembleSpec(members=[verifier], monitors=[exact], train_on=verifier.name,
                             feature_model=verifier.name, correct=[exact.name])

@@ -1,7 +1,7 @@
 """SPG's sandwich bound on dLLM log-likelihoods (Wang et al., facebookresearch/SPG; StableDRL's code).
 
-From the per-token log-probs of n MC mask samples j (mask m_j over the L completion tokens,
-t_j = |m_j| / L, p_ij = exp(log p_ij)):
+From the per-token log-probs of n MC mask samples j (mask m_j over the completion's L_V scored tokens,
+those up to the first EOS; t_j = |m_j| / L_V, the empirical mask rate; p_ij = exp(log p_ij)):
 
     ELBO  = mean_j [ sum_i m_ij log p_ij / sum_i m_ij ]                  a per-sample mean (lower bound / L)
     q_i   = mean_j [ p_ij^beta * m_ij / t_j ]
@@ -15,7 +15,7 @@ into per-sample pieces with the same trick as the ELBO: with q and EUBO from the
     U_j = (1 / beta) * sum_i [1[q_i > 0] / (sum 1[q > 0] * q_i)] * p_ij^beta m_ij / (t_j n)
     EUBO_j = sg(EUBO) + U_j - sg(U_j)        value EUBO, and sum_j grad U_j = grad EUBO exactly.
 
-`scale` multiplies both bounds (L under a `sum` log-prob reduction, so they are on the ELBO's scale).
+`scale` multiplies both bounds (L_V under a `sum` log-prob reduction, so they are on the ELBO's scale).
 """
 from __future__ import annotations
 
@@ -25,14 +25,15 @@ from torch import Tensor
 from steadyrl.rollout.likelihood import SequenceLogProb
 
 
-def _mask_rate(mask: Tensor) -> Tensor:
-    return (mask.sum(-1, keepdim=True).to(mask.dtype if mask.is_floating_point() else float)
-            / mask.shape[-1]).clamp(min=1e-12)
+def _mask_rate(sample: SequenceLogProb) -> Tensor:
+    """t_j = |m_j| / L_V per row [B, 1], in the log-probs' dtype."""
+    dtype = sample.token_logp.dtype
+    return (sample.mask.sum(-1, keepdim=True).to(dtype) / sample.lengths.unsqueeze(-1).to(dtype)).clamp(min=1e-12)
 
 
 def eubo_statistics(samples: list[SequenceLogProb], beta: float) -> tuple[Tensor, Tensor]:
     """(q [B, L], EUBO [B]) from every MC sample's per-token terms (no gradient needed)."""
-    q = sum((s.token_logp * beta).exp() * s.mask / _mask_rate(s.mask).to(s.token_logp.dtype) for s in samples)
+    q = sum((s.token_logp * beta).exp() * s.mask / _mask_rate(s) for s in samples)
     q = q / len(samples)
     seen = q > 0
     log_q = torch.where(seen, q, torch.ones_like(q)).log()  # their code: zeros replaced by 1 before the log
@@ -45,7 +46,7 @@ def eubo_piece(sample: SequenceLogProb, q: Tensor, eubo: Tensor, beta: float, n:
     seen = q > 0
     weight = torch.where(seen, 1 / (seen.sum(-1, keepdim=True).clamp(min=1) * torch.where(seen, q, torch.ones_like(q))),
                          torch.zeros_like(q))
-    rate = _mask_rate(sample.mask).to(sample.token_logp.dtype)
+    rate = _mask_rate(sample)
     u = ((sample.token_logp * beta).exp() * sample.mask / (rate * n) * weight.detach()).sum(-1) / beta
     return eubo.detach() + u - u.detach()
 

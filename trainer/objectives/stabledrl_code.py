@@ -127,7 +127,7 @@ class StableDRLCode(PolicyGradientObjective):
         adv = inputs.advantages
         objective = inputs.new_logp
         if inputs.tokens is not None:  # dLLM: the SPG sandwich (module docstring)
-            scale = inputs.tokens.mask.shape[-1] if inputs.reduce == "sum" else 1.0
+            scale = inputs.tokens.lengths.to(inputs.new_logp.dtype) if inputs.reduce == "sum" else 1.0  # L_V
             q = stats["stabledrl/eubo_q"][inputs.rows]
             n_mc = int(inputs.micro.old_logp.shape[1]) if inputs.micro is not None else 1
             eubo = scale * eubo_piece(inputs.tokens, q, stats["stabledrl/eubo"][inputs.rows], self.cfg.eubo_beta, n_mc)

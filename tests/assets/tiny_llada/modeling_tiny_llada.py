@@ -2,9 +2,10 @@
 
 `TinyLLaDAModelLM(config)(input_ids).logits` is [B, S, V] with full (non-causal) attention, the way the
 masked-diffusion samplers call LLaDA. Like LLaDA it is registered in config.json's `auto_map` under
-AutoConfig, AutoModel and AutoModelForCausalLM and loads with `trust_remote_code=True`. Architecture:
-token + learned position embeddings, pre-norm blocks (self-attention, GELU MLP), a final norm and an
-untied LM head.
+AutoConfig, AutoModel and AutoModelForCausalLM and loads with `trust_remote_code=True`. Architecture: token embeddings, pre-norm
+blocks (self-attention with rotary position embeddings, as LLaDA's, GELU MLP), a final norm and an untied LM
+head. Like LLaDA's forward it takes `attention_mask` but no position ids: rotary attention only sees offsets,
+so a left-padded row under its attention mask scores as the unpadded one.
 """
 import torch
 import torch.nn.functional as F
@@ -13,6 +14,16 @@ from transformers import PreTrainedModel
 from transformers.modeling_outputs import MaskedLMOutput
 
 from .configuration_tiny_llada import TinyLLaDAConfig
+
+
+def rotate(x, base: float = 10000.0):
+    """Rotary position embedding of q or k [B, H, S, d]: pairs (x_i, x_{i + d/2}) rotated by angle pos * base^(-2i/d)."""
+    d = x.shape[-1] // 2
+    freq = base ** (-torch.arange(d, dtype=x.dtype, device=x.device) / d)
+    angle = torch.arange(x.shape[-2], dtype=x.dtype, device=x.device)[:, None] * freq
+    cos, sin = angle.cos(), angle.sin()
+    a, b = x[..., :d], x[..., d:]
+    return torch.cat([a * cos - b * sin, a * sin + b * cos], dim=-1)
 
 
 class Block(nn.Module):
@@ -26,6 +37,7 @@ class Block(nn.Module):
     def forward(self, h, key_mask=None):
         B, S, D = h.shape
         q, k, v = self.qkv(self.norm1(h)).view(B, S, 3, self.heads, D // self.heads).permute(2, 0, 3, 1, 4)
+        q, k = rotate(q), rotate(k)
         bias = None
         if key_mask is not None:  # [B, S] True = attend; no causal mask anywhere
             bias = torch.zeros(B, 1, 1, S, dtype=q.dtype, device=q.device).masked_fill(
@@ -43,7 +55,6 @@ class TinyLLaDAModelLM(PreTrainedModel):
         super().__init__(config)
         d = config.d_model
         self.wte = nn.Embedding(config.vocab_size, d)
-        self.wpe = nn.Embedding(config.max_sequence_length, d)
         self.blocks = nn.ModuleList(Block(d, config.n_heads) for _ in range(config.n_layers))
         self.norm = nn.LayerNorm(d)
         self.lm_head = nn.Linear(d, config.vocab_size, bias=False)
@@ -59,8 +70,7 @@ class TinyLLaDAModelLM(PreTrainedModel):
             nn.init.zeros_(module.bias)
 
     def forward(self, input_ids, attention_mask=None, **kwargs):
-        pos = torch.arange(input_ids.shape[1], device=input_ids.device)
-        h = self.wte(input_ids) + self.wpe(pos)
+        h = self.wte(input_ids)
         for block in self.blocks:
             h = block(h, attention_mask)
         return MaskedLMOutput(logits=self.lm_head(self.norm(h)))
