@@ -1,6 +1,7 @@
 """StableDRL's stability claim on the arith testbed: collapses, gradient-norm spikes and NaNs per method.
 
-Methods (their arith presets): grpo, stabledrl.paper, stabledrl.code, bgpo.paper. Settings:
+Methods (their arith presets): grpo, stabledrl.paper, stabledrl.code, bgpo.paper, grpo.d1 (d1's token-level
+GRPO, the form the dLLM papers' GRPO collapse claims are about). Settings:
 
   (a) noisy ratio   the new and old likelihoods use independent MC masks and n = 1 (StableDRL's target:
                     log rho is then noise even on policy -- see benchmarks/estimator_variance.py)
@@ -32,7 +33,8 @@ sys.path.insert(0, str(ROOT))
 from benchmarks.compare import run_all  # noqa: E402
 
 METHODS = {"grpo": "configs/arith-grpo.yaml", "stabledrl.paper": "configs/arith-stabledrl.yaml",
-           "stabledrl.code": "configs/arith-stabledrl-code.yaml", "bgpo.paper": "configs/arith-bgpo.yaml"}
+           "stabledrl.code": "configs/arith-stabledrl-code.yaml", "bgpo.paper": "configs/arith-bgpo.yaml",
+           "grpo.d1": "configs/arith-grpo-d1.yaml"}
 SETTINGS = {
     "a": ("noisy ratio: independent masks, n = 1", ["sampler.masks=independent", "sampler.mc_samples=1"]),
     "b": ("default presets", []),
@@ -104,11 +106,15 @@ def main() -> None:
     parser.add_argument("--seeds-a", type=int, default=5)
     parser.add_argument("--seeds-bc", type=int, default=3)
     parser.add_argument("--settings", default="abc")
+    parser.add_argument("--methods", default=",".join(METHODS), help="comma-separated subset of " + ", ".join(METHODS))
     parser.add_argument("--jobs", type=int, default=2)
     parser.add_argument("--eval-every", type=int, default=10)
     parser.add_argument("--collapse-drop", type=float, default=0.15)
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "stability")
     args = parser.parse_args()
+    unknown = set(args.methods.split(",")) - set(METHODS)
+    if unknown:
+        parser.error(f"--methods: unknown {sorted(unknown)}; known: {', '.join(METHODS)}")
     from benchmarks.compare import warm_caches
     from steadyrl.services.config import load_config
 
@@ -118,7 +124,8 @@ def main() -> None:
     runs: list[dict[str, Any]] = []
     for setting in args.settings:
         seeds = list(range(args.seeds_a if setting == "a" else args.seeds_bc))
-        variants = [(f"{setting}:{m}", preset, common + SETTINGS[setting][1]) for m, preset in METHODS.items()]
+        variants = [(f"{setting}:{m}", preset, common + SETTINGS[setting][1]) for m, preset in METHODS.items()
+                    if m in args.methods.split(",")]
         runs += run_all(variants, seeds, args.jobs, args.eval_every)
     summary = summarise(runs, args.collapse_drop)
     args.out.mkdir(parents=True, exist_ok=True)

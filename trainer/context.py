@@ -33,10 +33,14 @@ class UpdateContext:
         """The sampler's steps are MC samples of one sequence-level likelihood (masked diffusion)."""
         return self.sampler.sequence_level
 
-    def kl_to_reference(self, mb: RolloutBatch, step: Tensor, new: LogProb | None = None) -> Tensor:
+    @torch.no_grad()
+    def reference_log_prob(self, mb: RolloutBatch, step: Tensor) -> LogProb:
+        """The reference's log-prob at `step` (no gradient)."""
+        return self.sampler.log_prob(self.reference, mb, step)
+
+    def kl_to_reference(self, mb: RolloutBatch, step: Tensor, new: LogProb | None = None,
+                        ref: LogProb | None = None) -> Tensor:
         """Per-sample KL of the policy at `step` to the reference's (grad flows through `new`)."""
         if new is None:
             new = self.sampler.log_prob(self.policy, mb, step)
-        with torch.no_grad():
-            ref = self.sampler.log_prob(self.reference, mb, step)
-        return self.sampler.kl(new, ref)
+        return self.sampler.kl(new, self.reference_log_prob(mb, step) if ref is None else ref)

@@ -38,6 +38,7 @@ class OldPolicy:
     noise: list[Tensor] | None = None  # recorded noise of the last K steps (reward back-propagation)
     ref_logp: Tensor | None = None  # [b] sequence-level samplers: the reference's mean over MC samples
     behaviour_weight: Tensor | None = None  # [b,T] (sequence-level: [b]) min(pi_prox/pi_b, c); None: all current
+    token_logp: Tensor | None = None  # [b,T,L] per-token log-probs of each MC sample (token-level objectives)
 
     def weighted(self, advantages: Tensor, rows: Tensor | None = None, step: Tensor | None = None) -> Tensor:
         """Advantages times the behaviour weight of each term (trainer/off_policy.py); unchanged when current."""
@@ -53,16 +54,21 @@ class OldPolicy:
 
 
 @torch.no_grad()
-def old_policy(sampler: Sampler, policy: nn.Module, mb: RolloutBatch, steps: Tensor, keep_mean: bool) -> OldPolicy:
-    """log-probs [b,T] at `steps` (0 elsewhere) and, with `keep_mean`, the Gaussian step means [b,T,...]."""
+def old_policy(sampler: Sampler, policy: nn.Module, mb: RolloutBatch, steps: Tensor, keep_mean: bool,
+               keep_tokens: bool = False) -> OldPolicy:
+    """log-probs [b,T] at `steps` (0 elsewhere); with `keep_mean`, the Gaussian step means [b,T,...]; with
+    `keep_tokens` (masked diffusion), every MC sample's per-token log-probs [b,T,L]."""
     lp = torch.zeros_like(mb.old_logp)
     mean = torch.zeros_like(mb.traj[:, 1:]) if keep_mean else None
+    tokens = torch.zeros(*mb.old_logp.shape, mb.samples.shape[1], dtype=lp.dtype) if keep_tokens else None
     for s in steps.tolist():
         step = sampler.log_prob(policy, mb, s)
         lp[:, s] = step.logp
         if mean is not None:
             mean[:, s] = step.mean
-    return OldPolicy(lp, mean)
+        if tokens is not None:
+            tokens[:, s] = step.token_logp
+    return OldPolicy(lp, mean, token_logp=tokens)
 
 
 @torch.no_grad()
@@ -146,7 +152,7 @@ def recompute_old(ctx: UpdateContext, micro: list[RolloutBatch], updates: int,
     alarm, weights = RecomputeAlarm(cfg.logp_alarm), BehaviourWeights(cfg.behaviour_weight_cap)
     olds, kls = [], []
     for mb in micro:
-        old = old_policy(ctx.sampler, ctx.policy, mb, steps, objective.needs_old_mean)
+        old = old_policy(ctx.sampler, ctx.policy, mb, steps, objective.needs_old_mean, objective.token_level)
         if sequence:
             old.ref_logp = reference_sequence_logp(ctx.sampler, ctx.reference, mb, steps)
         if isinstance(objective, RewardBackpropObjective):

@@ -93,10 +93,14 @@ class PerStepTerms(TermProducer):
         """The micro-batch at `step` [b]; with `grad`, the term `loss` sees (KL to the reference where asked)."""
         ctx, local = self.ctx, torch.arange(len(mb))
         new = ctx.sampler.log_prob(ctx.policy, mb, step)
-        kl = ctx.kl_to_reference(mb, step, new) if grad and ctx.objective.needs_reference else None
+        ref = ctx.reference_log_prob(mb, step) if grad and ctx.objective.needs_reference else None
+        kl = None if ref is None else ctx.kl_to_reference(mb, step, new, ref)
         inputs = TermInputs(n_terms=self.n_terms, rows=rows, new_logp=new.logp, old_logp=old.logp[local, step],
                             advantages=old.weighted(mb.advantages, local, step), step=step, group=mb.group,
                             kl_ref=kl, micro=mb if grad else None, reduce=ctx.sampler.reduce)
+        if ctx.objective.token_level:  # per-token ratios (masked diffusion): new, old and reference token terms
+            inputs.tokens, inputs.old_tokens = new, old.token_logp[local, step]
+            inputs.ref_tokens = None if ref is None else ref.token_logp
         if isinstance(new, StepLogProb):
             inputs.std, inputs.dt, inputs.new_mean = new.std, new.dt, new.mean
             inputs.old_mean = None if old.mean is None else old.mean[local, step]
@@ -194,6 +198,13 @@ def term_producer(objective: Objective, sampler: Sampler, reward_fn: Differentia
             raise ValueError(f"objective {name!r} re-runs Gaussian sampling steps: it does not apply to "
                              f"sampler.kind={sampler.cfg.kind!r}")
         return RewardBackpropTerms
+    if objective.token_level and not (sampler.sequence_level and objective.ratio_scope == "term"):
+        raise ValueError(f"objective {name!r} takes per-token ratios of a masked-diffusion LM: it does not apply to "
+                         f"sampler.kind={sampler.cfg.kind!r}")
+    if objective.token_level and sampler.independent_masks and sampler.cfg.estimator != "one_step":
+        raise ValueError(f"objective {name!r} compares each token's old and new log-probs, so both must mask the same "
+                         "completion positions: sampler.masks=shared, or sampler.estimator=one_step (every position "
+                         "masked; independent masks then redraw only the prompt's)")
     if sampler.sequence_level:
         if objective.needs_old_mean:
             raise ValueError(f"objective {name!r} needs Gaussian step means: it does not apply to "

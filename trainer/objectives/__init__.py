@@ -2,7 +2,7 @@
 from steadyrl.trainer.objectives.base import (LearnerHooks, Objective, ObjectiveSettings, PolicyGradientObjective,
                                               RewardBackpropObjective, TermInputs)
 from steadyrl.trainer.objectives.registry import available, build_objective, objective_class, register, settings_types
-from steadyrl.trainer.objectives import grpo  # noqa: F401,E402  (registers "grpo")
+from steadyrl.trainer.objectives import grpo, grpo_d1  # noqa: F401,E402  (registers "grpo", "grpo.d1")
 from steadyrl.trainer.objectives import gardo, gardo_seed  # noqa: F401,E402  (registers "gardo.paper", "gardo.seed")
 from steadyrl.trainer.objectives import grpo_guard, reward_backprop  # noqa: F401,E402  ("grpo_guard.paper", "draft", "grpo_guard.seed")
 from steadyrl.trainer.objectives import stabledrl_code, stabledrl_paper  # noqa: F401,E402  (registers "stabledrl.*")

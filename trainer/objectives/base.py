@@ -86,6 +86,10 @@ class TermInputs:
     # masked diffusion, sequence path: the per-token terms (`loss`: this MC sample's, with grad; `prepare`: a list of
     # every MC sample's, without)
     tokens: SequenceLogProb | list[SequenceLogProb] | None = None
+    # masked diffusion, token-level objectives (`token_level`): this MC sample's per-token log-probs [b, L] under the
+    # old (proximal) policy and, when the reference is needed, the reference (`tokens` holds the new policy's)
+    old_tokens: Tensor | None = None
+    ref_tokens: Tensor | None = None
     # reward back-propagation only
     sample: Tensor | None = None  # [b,...] x_0 re-run through the last K steps, with grad
     reward_grad: Tensor | None = None  # [b,...] dr/dx_0 of the differentiable reward at x_0
@@ -114,6 +118,9 @@ class Objective(ABC):
                        "sequence" -- the ratio is exp(mean_j ell_j - mean_j ell_j^old), one per sequence
                        (the learner's two-pass pieces, `trainer.terms.SequenceTerms`); "term" -- each
                        MC sample's own ratio (BGPO's bound). Image samplers are always per step.
+      token_level:     (masked diffusion, ratio_scope "term") per-token ratios: the recompute keeps the old
+                       policy's per-token log-probs and each piece gets them and the reference's
+                       (`TermInputs.old_tokens`, `ref_tokens`) beside the new policy's (`tokens`)
     State lives in `self.state` as tensors and is checkpointed with torch.save.
     """
 
@@ -123,6 +130,7 @@ class Objective(ABC):
     needs_prepare: ClassVar[bool] = False
     needs_old_mean: ClassVar[bool] = False
     ratio_scope: ClassVar[Literal["sequence", "term"]] = "sequence"
+    token_level: ClassVar[bool] = False
 
     def __init__(self, cfg: ObjectiveSettings):
         self.cfg = cfg

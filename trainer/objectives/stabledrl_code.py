@@ -44,17 +44,9 @@ from torch import Tensor
 from steadyrl.rollout.batch import RolloutBatch
 from steadyrl.trainer.objectives.base import (ObjectiveSettings, PolicyGradientObjective, TermInputs,
                                      kl_penalty, ratio_metrics)
+from steadyrl.trainer.advantages import mean_centred_advantages
 from steadyrl.trainer.objectives.registry import register
 from steadyrl.trainer.objectives.sandwich import eubo_piece, eubo_statistics, sandwich
-
-
-def mean_centred_advantages(rewards: Tensor, group: Tensor) -> Tensor:
-    """A_i = r_i - mean_g r within each prompt group (no std division, as their code)."""
-    adv = torch.zeros_like(rewards)
-    for g in group.unique():
-        idx = group == g
-        adv[idx] = rewards[idx] - rewards[idx].mean()
-    return adv
 
 
 class StableDRLCodeSettings(ObjectiveSettings):
