@@ -27,6 +27,7 @@ from pydantic import Field, field_validator
 from torch import Tensor
 
 from steadyrl.rollout.config import StrictModel
+from steadyrl.rollout.data_files import is_shipped_name, resolve_data_file, shipped_files
 
 PROMPT_SETS_DIR = Path(__file__).resolve().parent / "prompt_sets"
 SUFFIXES = (".txt", ".jsonl")
@@ -67,30 +68,11 @@ class PromptSet:
 
 def shipped_prompt_sets() -> dict[str, Path]:
     """The prompt sets shipped in the package (rollout/prompt_sets/), by name (the file's stem)."""
-    if not PROMPT_SETS_DIR.is_dir():
-        return {}
-    return {p.stem: p for p in sorted(PROMPT_SETS_DIR.iterdir()) if p.is_file() and p.suffix in SUFFIXES}
-
-
-def _is_name(source: str | Path) -> bool:
-    """A bare word (no directory part, no extension) names a shipped set; anything else is a path."""
-    return isinstance(source, str) and Path(source).name == source and Path(source).suffix == ""
+    return shipped_files(PROMPT_SETS_DIR, SUFFIXES)
 
 
 def _resolve(source: str | Path) -> Path:
-    if _is_name(source):
-        shipped = shipped_prompt_sets()
-        if source not in shipped:
-            raise ValueError(f"unknown prompt set {source!r}: the shipped sets are {', '.join(shipped) or 'none'} "
-                             f"(or give a path to a {' or '.join(SUFFIXES)} file)")
-        return shipped[source]
-    path = Path(source)
-    if path.suffix.lower() not in SUFFIXES:
-        raise ValueError(f"prompt file {path}: unknown extension {path.suffix or '(none)'!r}; "
-                         f"expected {' or '.join(SUFFIXES)}")
-    if not path.is_file():
-        raise FileNotFoundError(f"prompt file {path} does not exist")
-    return path
+    return resolve_data_file(source, PROMPT_SETS_DIR, SUFFIXES, "prompt set")
 
 
 def _parse_txt(path: Path, text: str) -> tuple[list[str], list[dict]]:
@@ -131,7 +113,7 @@ def load_prompt_set(source: str | Path) -> PromptSet:
     prompts, metadata = (_parse_txt if path.suffix.lower() == ".txt" else _parse_jsonl)(path, text)
     if not prompts:
         raise ValueError(f"prompt file {path} has no prompts")
-    return PromptSet(tuple(prompts), tuple(metadata), source if _is_name(source) else path.stem)
+    return PromptSet(tuple(prompts), tuple(metadata), source if is_shipped_name(source) else path.stem)
 
 
 # ------------------------------------------------------------------------------------------------ config
@@ -160,7 +142,7 @@ class PromptsConfig(StrictModel):
         (whether a path exists is checked when it is loaded, on the machine that loads it)."""
         if v is None:
             return v
-        if _is_name(v):
+        if is_shipped_name(v):
             shipped = shipped_prompt_sets()
             if v not in shipped:
                 raise ValueError(f"unknown prompt set {v!r}: the shipped sets are {', '.join(shipped) or 'none'} "
