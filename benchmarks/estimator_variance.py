@@ -13,7 +13,8 @@ block_random (SPG: blocks of `--block-length`, earlier positions and the prompt 
     Var[log rho_hat]  per sequence (over `--draws` independent mask pairs), averaged over sequences,
     and the forward passes each estimate costs (coupled: 2n, otherwise n),
 
-in `logp_reduce: sum` units (the log-likelihood of the completion). The one-step estimator's only
+in `logp_reduce: sum` units (the log-likelihood of the completion), over the positions up to each
+completion's first EOS as training scores them (`sampler.score_after_eos: false`). The one-step estimator's only
 randomness is its prompt mask (p = 0.15): low variance, but it estimates a different quantity (every
 completion token masked at once), not the ELBO.
 
@@ -55,18 +56,20 @@ def measure(n_values: list[int], draws: int, prompts: int, per_prompt: int, seed
     prompt_ids, _ = testbed.train_prompts(0, 1, 0)
     batch = sampler.sample(model, prompt_ids[:prompts], per_prompt, torch.Generator().manual_seed(seed))
     B, L, P = len(batch), batch.samples.shape[1], batch.cond.shape[1]
+    scored = sampler.valid(batch.samples)  # L_V per sequence: the positions up to its first EOS
     gen = torch.Generator().manual_seed(seed + 1)
     rows = []
     with torch.no_grad():
         for estimator, scheme in VARIANTS:
             for n in track(n_values, description=f"{label(estimator, scheme):20s}"):
                 # 2 * draws independent n-sample estimates per sequence, all in one batched forward per MC sample
-                masks = draw_masks(estimator, B * 2 * draws, n, L, P, sampler.cfg.prompt_mask_prob, gen, scheme,
-                                   block_length)
                 cond, samples = batch.cond.repeat(2 * draws, 1), batch.samples.repeat(2 * draws, 1)
+                valid = sampler.valid(samples)  # positions up to the first EOS, as training scores them
+                masks = draw_masks(estimator, B * 2 * draws, n, L, P, sampler.cfg.prompt_mask_prob, gen, scheme,
+                                   block_length, valid)
                 ell = torch.stack([estimate(model, estimator, cond, samples,
                                             (masks.completion[:, j], masks.prompt[:, j]), sampler.mask_token_id,
-                                            "sum").logp for j in range(n)], 1).mean(1)
+                                            "sum", valid=valid).logp for j in range(n)], 1).mean(1)
                 ell = ell.view(2, draws, B)
                 log_rho = ell[0] - ell[1]  # [draws, B]
                 rows.append({"estimator": estimator, "scheme": scheme, "n": n,
@@ -77,6 +80,7 @@ def measure(n_values: list[int], draws: int, prompts: int, per_prompt: int, seed
                              "mean_ell": float(ell.mean()), "var_ell": float(ell.reshape(-1, B).var(0).mean())})
     return {"setting": {"model": "arith-grpo.yaml base model (pre-trained, float64)", "sequences": B,
                         "draws_per_sequence": draws, "gen_length": L, "reduce": "sum",
+                        "scored_length_mean": L if scored is None else float(scored.sum(1).double().mean()),
                         "prompt_mask_prob": sampler.cfg.prompt_mask_prob, "block_length (block_random)": block_length,
                         "seed": seed},
             "rows": rows}

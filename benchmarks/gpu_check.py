@@ -1,14 +1,18 @@
-"""A short GPU check of a text-to-image preset: a few RL steps in one process, then step time, samples/s,
-peak GPU memory and the bytes one weight sync moves, written to JSON.
+"""A short GPU check of a text-to-image or diffusion-LM preset: a few RL steps in one process, then step time,
+samples/s, peak GPU memory and the bytes one weight sync moves, written to JSON.
 
     python benchmarks/gpu_check.py configs/sd35-grpo.yaml --steps 3            # the real model (downloaded first)
     python benchmarks/gpu_check.py configs/sd15-grpo.yaml --steps 3 sampler.num_steps=20
     python benchmarks/gpu_check.py --tiny flux --steps 2                        # tiny random pipeline, no download
+    python benchmarks/gpu_check.py configs/llada-gsm8k-bgpo.yaml --steps 2      # LLaDA-8B (downloaded first)
+    python benchmarks/gpu_check.py configs/llada-gsm8k-bgpo.yaml --tiny llada   # the preset on a tiny LLaDA
 
 It runs `steadyrl train --local` (the product loop in one process: testbed, sampler, DeepSpeed learner, reward
 models, without the Ray/Serve layer): the rollout policy, the learner and the reward models share the one GPU. `--tiny` builds a random SD-, SDXL-, SD3- or FLUX-style pipeline of the real
 architecture and a tiny CLIP (as the tests do) so the whole path can be checked on a machine without
-downloads, on GPU or CPU. The first step includes CUDA warm-up and is reported apart.
+downloads, on GPU or CPU; `--tiny llada` runs a dLLM preset's objective, sampler, LoRA and bf16 settings on a
+tiny random LLaDA-interface model and the shipped addition task file, with lengths and batches cut down. The
+first step includes CUDA warm-up and is reported apart.
 """
 from __future__ import annotations
 
@@ -42,6 +46,29 @@ def tiny_overrides(family: str, root: Path) -> list[str]:
             "testbed.reward.monitor_only=[jpeg_compressibility]", *sampler]
 
 
+def tiny_llada_overrides(root: Path) -> list[str]:
+    """A tiny random LLaDA-interface model and character tokenizer under `root`, and a dLLM preset cut to its size."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from tests.assets.tiny_llada import write_char_tokenizer, write_tiny_llada
+
+    write_tiny_llada(root / "llada", vocab_size=24, mask_token_id=23)
+    write_char_tokenizer(root / "llada")
+    return [f"testbed.pretrained={root / 'llada'}", "testbed.lora.target_modules=[qkv, proj]",
+            "testbed.file.task_file=arith_addition", "testbed.file.eval_file=null", "testbed.file.system_prompt=null",
+            "testbed.eval_problems=8", "testbed.prompts_per_step=2", "sampler.gen_length=8",
+            "sampler.block_length=4", "sampler.num_steps=8", "sampler.group_size=4", "learner.micro_batch_size=4",
+            "learner.optim_batch_size=8", "learner.inner_epochs=1"]
+
+
+def samples_per_step(cfg) -> int:
+    """Samples one RL step draws: prompts per step x samples per prompt (text-to-image or dLLM testbed)."""
+    tb = cfg.testbed
+    prompts = tb.prompts.prompts_per_step if hasattr(tb, "prompts") else tb.prompts_per_step
+    return prompts * cfg.sampler.group_size
+
+
 def check(config: str | None, overrides: list[str], steps: int) -> dict[str, Any]:
     from benchmarks.compare import one_run
     from steadyrl.services.config import load_config
@@ -60,14 +87,14 @@ def check(config: str | None, overrides: list[str], steps: int) -> dict[str, Any
     rows = out["rows"]
     steady = rows[1:] or rows
     step_s = sum(r["step_s"] for r in steady) / len(steady)
-    samples = cfg.testbed.prompts.prompts_per_step * cfg.sampler.group_size
+    samples = samples_per_step(cfg)
     return {
         "config": config, "overrides": overrides, "steps": len(rows),
         "device": torch.cuda.get_device_name(0) if gpu else "cpu",
         "first_step_s": rows[0]["step_s"], "step_s": step_s, "samples_per_s": samples / step_s,
         "peak_gpu_memory_gb": torch.cuda.max_memory_allocated() / 2**30 if gpu else None,
         "sync_bytes": rows[-1]["sync_bytes"], "train_reward": [r["proxy"] for r in rows],
-        "dtype": cfg.testbed.dtype,
+        "dtype": cfg.testbed.dtype, "objective": cfg.objective.name,
         "recompute_logp_absdiff_max": max(r["logp_absdiff_max"] for r in rows),
         "finite": out["stopped_at"] is None, "wall_s": wall,
     }
@@ -75,18 +102,25 @@ def check(config: str | None, overrides: list[str], steps: int) -> dict[str, Any
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("config", nargs="?", help="a text-to-image preset (configs/sd15-*.yaml, sd35-*.yaml)")
+    parser.add_argument("config", nargs="?", help="a text-to-image preset (configs/sd15-*.yaml, sd35-*.yaml) or a "
+                        "dLLM one (configs/llada-*.yaml)")
     parser.add_argument("overrides", nargs="*", help="key.sub=value overrides")
     parser.add_argument("--steps", type=int, default=3)
-    parser.add_argument("--tiny", choices=["sd", "sdxl", "sd3", "flux"], help="a tiny random pipeline, no preset")
+    parser.add_argument("--tiny", choices=["sd", "sdxl", "sd3", "flux", "llada"],
+                        help="a tiny random pipeline (no preset), or with a dLLM preset a tiny LLaDA")
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
     if args.config is not None and "=" in args.config:  # `--tiny sd3 key=value`: no preset, only overrides
         args.overrides, args.config = [args.config, *args.overrides], None
-    if (args.config is None) == (args.tiny is None):
+    if args.tiny == "llada" and args.config is None:
+        parser.error("--tiny llada runs a dLLM preset on a tiny model: give the preset (configs/llada-*.yaml)")
+    if args.tiny != "llada" and (args.config is None) == (args.tiny is None):
         parser.error("give a preset or --tiny sd|sdxl|sd3|flux")
     with tempfile.TemporaryDirectory() as tmp:
-        overrides = tiny_overrides(args.tiny, Path(tmp)) if args.tiny else []
+        if args.tiny == "llada":
+            overrides = tiny_llada_overrides(Path(tmp))
+        else:
+            overrides = tiny_overrides(args.tiny, Path(tmp)) if args.tiny else []
         result = check(args.config, [*overrides, *args.overrides], args.steps)
     result["tiny"] = args.tiny
     args.out.parent.mkdir(parents=True, exist_ok=True)

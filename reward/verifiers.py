@@ -12,13 +12,15 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, Sequence
 
 import torch
 from pydantic import Field
 from torch import Tensor
 
+from steadyrl.reward.task_answers import TaskAnswers
 from steadyrl.rollout.arith import TOKENIZER, Task, parse_sudoku_prompt, sudoku_units_ok
+from steadyrl.rollout.file_task import FileTaskSettings
 from steadyrl.rollout.config import StrictModel
 from steadyrl.rollout.text_codec import TextCodec, load_codec
 
@@ -59,10 +61,12 @@ def verify(task: Task, prompt: str, completion: str, partial_credit: bool = Fals
 
 
 class VerifierSpec(StrictModel):
-    """The arith reward: which task's verifier, and whether it gives partial credit (sudoku only)."""
+    """The arith reward: which task's verifier (a file task's: `file.verifier`), and whether it gives partial
+    credit (sudoku only)."""
 
     kind: Literal["verifier"] = "verifier"
-    task: Task = "addition"
+    task: Literal["addition", "sudoku", "file"] = "addition"
+    file: FileTaskSettings | None = Field(None, description="task=file: the task file, its prompts and verifier")
     partial_credit: bool = Field(False, description="sudoku: score the share of valid units, not just 0/1")
     name: str = "verifier"
     tokenizer: str | None = Field(None, description="decode token ids with this model's tokenizer (hub id or "
@@ -74,44 +78,51 @@ class VerifierSpec(StrictModel):
 
 @dataclass
 class VerifierReward:
-    """The reward model interface over token ids: `score(completions [B, L], prompts [B, P]) -> [B]`."""
+    """The reward model interface over token ids: `score(completions [B, L], prompts [B, P]) -> [B]`. A file task
+    finds each prompt's gold answer in its task file (`answers`, reward/task_answers.py)."""
 
-    task: Literal["addition", "sudoku"] = "addition"
+    task: Literal["addition", "sudoku", "file"] = "addition"
     partial_credit: bool = False
     name: str = "verifier"
     codec: TextCodec = TOKENIZER
+    answers: TaskAnswers | None = None
 
     @classmethod
     def from_spec(cls, spec: VerifierSpec) -> "VerifierReward":
-        return cls(task=spec.task, partial_credit=spec.partial_credit, name=spec.name,
-                   codec=load_codec(spec.tokenizer, spec.trust_remote_code, None, spec.eos_token_id,
-                                    spec.pad_token_id))
+        codec = load_codec(spec.tokenizer, spec.trust_remote_code, None, spec.eos_token_id, spec.pad_token_id)
+        if (spec.task == "file") != (spec.file is not None):
+            raise ValueError("a verifier scores a task file exactly when task='file' and `file` is set")
+        answers = None if spec.file is None else TaskAnswers(spec.file, codec)
+        return cls(task=spec.task, partial_credit=spec.partial_credit, name=spec.name, codec=codec, answers=answers)
 
-    def texts(self, samples: Tensor, cond: Tensor) -> list[tuple[str, str]]:
-        decode = self.codec.decode
-        return [(decode(p[p != self.codec.pad_id]), decode(c)) for p, c in zip(cond, samples)]
+    def _prompt(self, p: Tensor) -> str | Tensor:
+        """A prompt as the verifier looks it up: token ids for a file task (its rows are keyed by ids), else text."""
+        return p if self.answers is not None else self.codec.decode(p[p != self.codec.pad_id])
+
+    def _score(self, prompts: list[str | Sequence[int] | Tensor], completions: list[str], pc: bool) -> Tensor:
+        if self.answers is not None:
+            values = [self.answers.score(p, c, pc) for p, c in zip(prompts, completions)]
+        else:
+            values = [verify(self.task, p, c, pc) for p, c in zip(prompts, completions)]
+        return torch.tensor(values, dtype=torch.float32)
 
     def score_texts(self, prompts: list[str], completions: list[str], partial_credit: bool | None = None) -> Tensor:
-        pc = self.partial_credit if partial_credit is None else partial_credit
-        return torch.tensor([verify(self.task, p, c, pc) for p, c in zip(prompts, completions)], dtype=torch.float32)
+        return self._score(prompts, completions, self.partial_credit if partial_credit is None else partial_credit)
 
     def score_items(self, prompts: list[str | list[int]], completions: list[str | list[int]]) -> tuple[Tensor, Tensor]:
-        """(scores, exact 0/1) of text or token-id items (ids are decoded with this verifier's tokenizer)."""
-
-        def text(item: str | list[int]) -> str:
-            return item if isinstance(item, str) else self.codec.decode(item)
-
-        p, c = [text(x) for x in prompts], [text(x) for x in completions]
-        return self.score_texts(p, c), self.score_texts(p, c, partial_credit=False)
+        """(scores, exact 0/1) of text or token-id items (completion ids are decoded with this verifier's
+        tokenizer; prompt ids are decoded, or for a file task looked up as they are)."""
+        c = [x if isinstance(x, str) else self.codec.decode(x) for x in completions]
+        p = [x if isinstance(x, str) or self.answers is not None else self.codec.decode(x) for x in prompts]
+        return self._score(p, c, self.partial_credit), self._score(p, c, False)
 
     def score(self, samples: Tensor, cond: Tensor) -> Tensor:
-        prompts, completions = zip(*self.texts(samples, cond)) if len(samples) else ((), ())
-        return self.score_texts(list(prompts), list(completions))
+        return self._score([self._prompt(p) for p in cond], [self.codec.decode(c) for c in samples],
+                           self.partial_credit)
 
     def correct(self, samples: Tensor, cond: Tensor) -> Tensor:
         """Exact 0/1 correctness (no partial credit): the held-out accuracy this testbed reports."""
-        prompts, completions = zip(*self.texts(samples, cond)) if len(samples) else ((), ())
-        return self.score_texts(list(prompts), list(completions), partial_credit=False)
+        return self._score([self._prompt(p) for p in cond], [self.codec.decode(c) for c in samples], False)
 
     def features(self, samples: Tensor) -> Tensor:
         """One-hot tokens, flattened [B, L*V]: Euclidean distance^2 / 2 between two = Hamming distance

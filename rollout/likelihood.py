@@ -155,19 +155,22 @@ def _block_random(B: int, n: int, L: int, P: int, block: int, p: float, generato
     return MaskDraw(completion, torch.rand(B, n, P, generator=generator) < p)
 
 
+_WRAPPERS = ("module", "_orig_mod", "net", "policy")  # DeepSpeed, torch.compile, MaskedLMPolicy, AdapterReference
+
+
 def _takes_position_ids(model) -> bool:
-    """Does the model (under DeepSpeed's, peft's or torch.compile's wrapper) name `position_ids` in its forward?
-    BERT does (absolute positions); LLaDA does not (rotary positions only see offsets, so left padding under an
-    attention mask needs none)."""
+    """Does the model (under DeepSpeed's, torch.compile's, peft's or our policy wrappers) name `position_ids` in
+    its forward? BERT does (absolute positions); LLaDA does not (rotary positions only see offsets, so left
+    padding under an attention mask needs none)."""
     while True:
         if hasattr(model, "get_base_model"):
             model = model.get_base_model()
             continue
-        inner = getattr(model, "module", None) or getattr(model, "_orig_mod", None)
-        if not isinstance(inner, torch.nn.Module):
-            break
+        inner = next((m for m in (getattr(model, a, None) for a in _WRAPPERS) if isinstance(m, torch.nn.Module)),
+                     None)
+        if inner is None:
+            return "position_ids" in inspect.signature(model.forward).parameters
         model = inner
-    return "position_ids" in inspect.signature(model.forward).parameters
 
 
 def model_logits(model, inputs: Tensor, attention: Tensor | None = None) -> Tensor:
@@ -209,6 +212,7 @@ def token_log_probs(model, prompt: Tensor, completion: Tensor, completion_mask: 
     inputs = torch.cat([prompt.masked_fill(prompt_mask, mask_token_id),
                         completion.masked_fill(hidden, mask_token_id)], dim=1)
     logits = guided_logits(model, inputs, prompt.shape[1], mask_token_id, cfg_scale, attention)[:, prompt.shape[1]:]
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # a bf16 model's log-probs in float32
     return torch.log_softmax(logits, dim=-1).gather(-1, completion.unsqueeze(-1)).squeeze(-1)
 
 

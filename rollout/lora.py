@@ -12,7 +12,7 @@ import torch
 from pydantic import Field
 
 from steadyrl.rollout.config import StrictModel
-from steadyrl.rollout.policy import Policy
+from steadyrl.rollout.policy import AdaptableNetwork
 
 
 class LoRAConfig(StrictModel):
@@ -27,9 +27,9 @@ class LoRAConfig(StrictModel):
     init_seed: int = Field(0, description="seed of A's random initialisation (B starts at 0 whatever it is)")
 
 
-def add_lora(policy: Policy, cfg: LoRAConfig, default_targets: list[str]) -> Policy:
+def add_lora(policy: AdaptableNetwork, cfg: LoRAConfig, default_targets: list[str]) -> AdaptableNetwork:
     """Inject adapters into `policy.net` in place; freeze everything else; the policy then trains, syncs and
-    checkpoints only the adapters (`Policy.trained_keys`). The global RNG is left as it was."""
+    checkpoints only the adapters (`AdaptableNetwork.trained_keys`). The global RNG is left as it was."""
     from peft import LoraConfig, inject_adapter_in_model
 
     targets = cfg.target_modules or default_targets

@@ -12,6 +12,7 @@ from pydantic import Field
 from torch import Tensor, nn
 
 from steadyrl.rollout.config import StrictModel
+from steadyrl.rollout.policy import AdaptableNetwork
 
 
 class MaskedLM(Protocol):
@@ -42,6 +43,38 @@ def build_masked_lm(cfg: MaskedLMConfig, vocab_size: int, pad_id: int = 0) -> nn
         hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, attn_implementation="eager",
         tie_word_embeddings=False)  # untied: state dicts hold no aliased tensors (safetensors, weight sync)
     return BertForMaskedLM(config)
+
+
+# LoRA targets per model type (module-name suffixes; peft adapts every linear layer whose name ends in one):
+#   bert   the self-attention projections
+#   llada  d1's list (dllm-reasoning/d1, diffu-grpo/diffu_grpo_train.py): LLaDA's blocks name q_proj, k_proj, v_proj
+#          and up_proj among them (its output and MLP-out projections are attn_out, ff_proj, ff_out)
+DEFAULT_LORA_TARGETS = {
+    "bert": ["query", "key", "value"],
+    "llada": ["q_proj", "k_proj", "v_proj", "o_proj", "up_proj", "down_proj", "gate_proj"],
+}
+
+
+class MaskedLMPolicy(AdaptableNetwork):
+    """A masked-diffusion LM as a trainable policy: called exactly as the bare model
+    (`policy(input_ids, attention_mask=..., position_ids=...).logits`), plus what trains (the whole network or
+    its LoRA adapters, `rollout.lora.add_lora`) and its frozen reference (`AdaptableNetwork`)."""
+
+    def __init__(self, net: nn.Module):
+        super().__init__()
+        self.net = net
+
+    def forward(self, input_ids: Tensor, **kwargs: Any) -> Any:
+        return self.net(input_ids, **kwargs)
+
+
+def lora_targets(net: nn.Module) -> list[str]:
+    """The default LoRA target modules of a masked LM, by its config's model type."""
+    model_type = getattr(getattr(net, "config", None), "model_type", None)
+    if model_type not in DEFAULT_LORA_TARGETS:
+        raise ValueError(f"no default LoRA targets for model type {model_type!r} (known: "
+                         f"{', '.join(DEFAULT_LORA_TARGETS)}): name them with testbed.lora.target_modules")
+    return DEFAULT_LORA_TARGETS[model_type]
 
 
 def masked_lm_from_weights(cfg: MaskedLMConfig, vocab_size: int, weights: dict[str, Tensor]) -> nn.Module:

@@ -55,34 +55,18 @@ def make_reference(module: nn.Module) -> nn.Module:
     return copy.deepcopy(module).eval().requires_grad_(False)
 
 
-class Policy(nn.Module, ABC):
-    """A denoising network behind `predict(x_t, t, cond)`. Subclasses hold the network as `self.net`.
-
-    `autocast`: a reduced-precision dtype (bf16/fp16) the prediction runs under (`torch.autocast` on x's
-    device; None: full precision); the output is cast back to x_t's dtype, so the sampler's Gaussian stays
-    in float32/64.
-    """
+class AdaptableNetwork(nn.Module):
+    """A network (`self.net`) and what of it trains: the whole network, or only its LoRA adapters
+    (`trained_keys`, set by `rollout.lora.add_lora`). Image policies and masked-LM policies share this."""
 
     net: nn.Module
-    autocast: torch.dtype | None = None
 
-    @abstractmethod
-    def predict(self, x: Tensor, t: Tensor, cond: Cond) -> Tensor:
-        """The network's prediction (epsilon or velocity) at x [B,...], model timesteps t [B] or []."""
-
-    def forward(self, x: Tensor, t: Tensor, cond: Cond) -> Tensor:
-        if self.autocast is None:
-            return self.predict(x, t, cond)
-        with torch.autocast(x.device.type, dtype=self.autocast):
-            return self.predict(x, t, cond).to(x.dtype)
+    #: names (in `net.state_dict()`) of the only tensors that train (LoRA adapters); None: the whole network
+    trained_keys: frozenset[str] | None = None
 
     @property
     def device(self) -> torch.device:
         return module_device(self)
-
-    # ------------------------------------------------------------------ what trains
-    #: names (in `net.state_dict()`) of the only tensors that train (LoRA adapters); None: the whole network
-    trained_keys: frozenset[str] | None = None
 
     @property
     def adapters_only(self) -> bool:
@@ -117,13 +101,34 @@ class Policy(nn.Module, ABC):
         return copy.deepcopy(self).eval().requires_grad_(False)
 
 
+class Policy(AdaptableNetwork, ABC):
+    """A denoising network behind `predict(x_t, t, cond)`. Subclasses hold the network as `self.net`.
+
+    `autocast`: a reduced-precision dtype (bf16/fp16) the prediction runs under (`torch.autocast` on x's
+    device; None: full precision); the output is cast back to x_t's dtype, so the sampler's Gaussian stays
+    in float32/64.
+    """
+
+    autocast: torch.dtype | None = None
+
+    @abstractmethod
+    def predict(self, x: Tensor, t: Tensor, cond: Cond) -> Tensor:
+        """The network's prediction (epsilon or velocity) at x [B,...], model timesteps t [B] or []."""
+
+    def forward(self, x: Tensor, t: Tensor, cond: Cond) -> Tensor:
+        if self.autocast is None:
+            return self.predict(x, t, cond)
+        with torch.autocast(x.device.type, dtype=self.autocast):
+            return self.predict(x, t, cond).to(x.dtype)
+
+
 class AdapterReference(nn.Module):
     """The reference of an adapter-trained policy: the live network called with the reference's adapter
     values in place of its own (no second copy of the frozen base). It starts from the
     adapters' initial values (LoRA: B = 0, so exactly the base model); `load_trainable_state_dict` (a
     reference reset) and in-place updates of `trainable_state_dict()` (an EMA) move it."""
 
-    def __init__(self, policy: Policy):
+    def __init__(self, policy: AdaptableNetwork):
         super().__init__()
         object.__setattr__(self, "policy", policy)  # not a submodule: the policy belongs to the engine
         self.state = {k: v.detach().clone() for k, v in policy.trainable_state_dict().items()}
@@ -141,11 +146,12 @@ class AdapterReference(nn.Module):
         return self
 
     @torch.no_grad()
-    def forward(self, x: Tensor, t: Tensor, cond: Cond) -> Tensor:
-        """The policy's network called with the reference adapters in place of its own (`functional_call`:
-        the live parameters are never written, so a graph through them stays valid)."""
-        swapped = {f"net.{k}": v.to(x.device) for k, v in self.state.items()}
-        return torch.func.functional_call(self.policy, swapped, (x, t, cond))
+    def forward(self, *args, **kwargs):
+        """The policy called with the reference adapters in place of its own (`functional_call`: the live
+        parameters are never written, so a graph through them stays valid); the policy's own arguments."""
+        device = module_device(self.policy)
+        swapped = {f"net.{k}": v.to(device) for k, v in self.state.items()}
+        return torch.func.functional_call(self.policy, swapped, args, kwargs)
 
 
 class ClassConditionalPolicy(Policy):

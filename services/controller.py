@@ -159,7 +159,7 @@ class Controller:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         if not self.resume:
             write_text_atomically(self.run_dir / "config.yaml", dump_config(cfg))
-        self.testbed.build_sampler()  # a bad sampler setting or token id fails here, before Ray starts
+        self.testbed.preflight()  # a bad sampler setting, token id or prompt fails here, before Ray starts
         base_model = self.testbed.base_weights(progress=cfg.run.progress)
         with self.console.status("reward models (built and cached on first use)"):
             self.testbed.prepare_rewards(self.console if cfg.run.progress else None)

@@ -9,20 +9,7 @@ import torch
 
 from steadyrl.services.config import CONFIG_DIR, load_config
 
-CHARS = list("0123456789+=|")
-
-
-def write_char_tokenizer(directory) -> None:
-    """A character-level tokenizer (no download): [PAD]=0, [EOS]=1, then one id per character."""
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {"[PAD]": 0, "[EOS]": 1, "[UNK]": 2, **{c: i + 3 for i, c in enumerate(CHARS)}}
-    backend = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
-    backend.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
-    backend.decoder = decoders.Fuse()
-    PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="[PAD]", eos_token="[EOS]",
-                            unk_token="[UNK]").save_pretrained(directory)
+from tests.assets.tiny_llada import write_char_tokenizer
 
 
 @pytest.fixture(scope="module")

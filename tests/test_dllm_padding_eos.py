@@ -215,6 +215,8 @@ def test_the_learner_recomputes_a_padded_early_eos_batch_exactly(single_rank):
     learner = build_deepspeed_learner(tiny_lm(dtype=torch.float32), sampler, StableDRLCodeSettings(kl_coef=0.01),
                                       LearnerConfig(micro_batch_size=5, optim_batch_size=15, inner_epochs=1))
     metrics = learner.update(batch)
+    print(f"padded early-EOS batch, float32 learner recompute: worst |recomputed - rollout| = "
+          f"{metrics['policy/rollout_logp_absdiff_max']:.2e}, KL monitor {metrics['policy/kl_ref_monitor']:.2e}")
     assert metrics["policy/rollout_logp_absdiff_max"] < 1e-5
     assert abs(metrics["policy/kl_ref_monitor"]) < 1e-6
 

@@ -12,6 +12,8 @@ from torch import Tensor, nn
 from steadyrl.reward.ensemble import EnsembleScores
 from steadyrl.reward.ensemble_spec import EnsembleSpec
 from steadyrl.rollout.batch import RolloutBatch
+from steadyrl.rollout.file_task import FileTaskSettings
+from steadyrl.rollout.lora import LoRAConfig
 from steadyrl.rollout.masked_lm import MaskedLMConfig
 from steadyrl.rollout.samplers import build_sampler
 from steadyrl.services.serving.schemas import ArithRequest, RestProfile, TextScoreRequest
@@ -28,7 +30,12 @@ class ArithSettings(TestbedSettings):
     verifier."""
 
     name: Literal["arith"] = "arith"
-    task: Literal["addition", "sudoku"] = "addition"
+    task: Literal["addition", "sudoku", "file"] = Field(
+        "addition", description="addition / sudoku: synthetic problems; file: rows of a task file (`file`), e.g. "
+        "GSM8K-style math, countdown or sudoku, with the model's chat template and a verifier per kind")
+    file: FileTaskSettings | None = Field(None, description="task=file: the task file, its prompts and verifier")
+    max_prompt_length: int = Field(512, ge=1, description="task=file: a longer prompt (in tokens) is an error "
+                                   "naming its row, raised before Ray starts")
     digits: int = Field(2, ge=1, le=8, description="addition: operand digits (zero-padded in the prompt)")
     blanks: int = Field(6, ge=1, le=16, description="sudoku: hidden cells of the 4x4 grid")
     model: MaskedLMConfig = Field(default_factory=MaskedLMConfig)
@@ -36,13 +43,19 @@ class ArithSettings(TestbedSettings):
     pretrained: str | None = Field(
         None, description="a real masked-diffusion LM by hub id or local directory (LLaDA, or any masked LM "
         "transformers implements) with its own tokenizer, instead of the tiny BERT built here (`model`, `pretrain` "
-        "then unused). Its full weights go through Ray's object store: fine for small models; LoRA comes later")
+        "then unused). Without `lora` its full weights go through Ray's object store: fine for small models")
     trust_remote_code: bool = Field(False, description="run the model repo's own modelling code (LLaDA needs it)")
     eos_token_id: int | None = Field(None, ge=0, description="`pretrained`: the token that ends a completion, when "
                                      "the tokenizer declares none (or another is wanted); positions after the first "
                                      "one are left out of the likelihood (sampler.score_after_eos)")
     pad_token_id: int | None = Field(None, ge=0, description="`pretrained`: the token prompts are left-padded with "
                                      "(default: the tokenizer's pad token, else its EOS, as d1 and SPG do)")
+    lora: LoRAConfig | None = Field(None, description="train LoRA adapters only (d1 and its successors train an 8B "
+                                    "dLLM this way): the optimiser, weight sync and checkpoints carry the adapters; "
+                                    "target_modules default per model type (rollout/masked_lm.py). None: every weight")
+    dtype: Literal["float32", "bfloat16"] = Field(
+        "float32", description="the base model's weights; bfloat16 (with lora, whose adapters stay float32) halves "
+        "their memory")
     partial_credit: bool = Field(False, description="sudoku: reward the share of valid rows/columns/boxes")
     prompts_per_step: int = Field(16, ge=1, description="fresh problems per RL step (split over rollout workers)")
     train_seed: int = Field(202, description="seed of the RL problems (pre-training and eval use others)")
@@ -56,6 +69,24 @@ class ArithSettings(TestbedSettings):
     def max_workers(self) -> int:
         """One problem per worker at most."""
         return self.prompts_per_step
+
+    @model_validator(mode="after")
+    def _file_task(self) -> "ArithSettings":
+        if self.task == "file" and self.file is None:
+            raise ValueError("testbed.task=file needs testbed.file.task_file (a .jsonl / .parquet file or a shipped "
+                             "name)")
+        if self.task != "file" and self.file is not None:
+            raise ValueError(f"testbed.file is set but testbed.task={self.task!r}: set testbed.task=file")
+        if self.file is not None:
+            self.file.rows()  # a missing file, or a row without its fields, fails here naming the line and field
+        return self
+
+    @model_validator(mode="after")
+    def _bf16_needs_lora(self) -> "ArithSettings":
+        if self.dtype == "bfloat16" and self.lora is None:
+            raise ValueError("testbed.dtype=bfloat16 needs testbed.lora (float32 adapters under a bf16 base); training "
+                             "every weight in bf16 is not supported")
+        return self
 
     @model_validator(mode="after")
     def _token_ids_need_a_tokenizer(self) -> "ArithSettings":
@@ -82,10 +113,31 @@ class ArithTestbed(Testbed):
 
     @property
     def task(self):
+        """The synthetic task (a file task's tiny base model is pre-trained on synthetic addition)."""
         from steadyrl.rollout.arith import ArithTask
 
         a = self.settings
-        return ArithTask(task=a.task, digits=a.digits, blanks=a.blanks, gen_length=self.cfg.sampler.gen_length)
+        task = "addition" if a.task == "file" else a.task
+        return ArithTask(task=task, digits=a.digits, blanks=a.blanks, gen_length=self.cfg.sampler.gen_length)
+
+    @cached_property
+    def file_task(self):
+        """task=file: the rows, split and encoded (rollout/file_task.py)."""
+        from steadyrl.rollout.file_task import FileTask
+
+        a = self.settings
+        return FileTask(a.file, self.codec, a.eval_problems, a.eval_seed, a.max_prompt_length)
+
+    def preflight(self) -> None:
+        """The sampler, and a file task's prompts (each within max_prompt_length and the tiny model's positions)."""
+        super().preflight()
+        if self.settings.task != "file":
+            return
+        width, a = self.file_task.width, self.settings
+        if a.pretrained is None and a.model.max_positions < width + self.cfg.sampler.gen_length:
+            raise ValueError(f"testbed.model.max_positions={a.model.max_positions} is shorter than the longest prompt "
+                             f"of {a.file.task_file!r} ({width} tokens) + sampler.gen_length "
+                             f"({self.cfg.sampler.gen_length})")
 
     @cached_property
     def mask_token_id(self) -> int:
@@ -106,6 +158,50 @@ class ArithTestbed(Testbed):
                           a.eos_token_id, a.pad_token_id)
 
     def base_weights(self, progress: bool = True) -> Path:
+        """The policy's initial trained tensors, written once into the cache: the whole model (`_full_weights`),
+        or with `lora` only the adapters (B = 0); each actor then builds the frozen base itself (`_base_network`)
+        and only adapters travel through the object store."""
+        a = self.settings
+        if a.lora is None:
+            return self._full_weights(progress)
+        from safetensors.torch import save_file
+
+        from steadyrl.rollout.cache import build_dir_atomically, cache_root, config_key
+
+        # the base's identity in the cache key (the tiny base is built here first, with its progress bar)
+        base = a.pretrained if a.pretrained is not None else str(self._full_weights(progress))
+
+        def build(tmp: Path) -> None:
+            state = self._lora_policy().trainable_state_dict()
+            save_file({k: v.detach().contiguous() for k, v in state.items()}, str(tmp / "trainable.safetensors"))
+
+        key = config_key({"base": base, "lora": a.lora.model_dump(), "dtype": a.dtype})
+        return build_dir_atomically(cache_root() / "models" / f"mlm-lora-{key}", build) / "trainable.safetensors"
+
+    def _base_network(self) -> nn.Module:
+        """The frozen base under LoRA, built in this process in `dtype`: the named model (hub cache or directory),
+        or the tiny BERT pre-trained here (cached; rebuilt bitwise where the cache is empty)."""
+        import torch
+        from safetensors.torch import load_file
+
+        from steadyrl.rollout.arith import TOKENIZER
+        from steadyrl.rollout.masked_lm import load_pretrained_masked_lm, masked_lm_from_weights
+
+        a, dtype = self.settings, getattr(torch, self.settings.dtype)
+        if a.pretrained is not None:
+            return load_pretrained_masked_lm(a.pretrained, a.trust_remote_code, dtype)[0]
+        return masked_lm_from_weights(a.model, len(TOKENIZER), load_file(str(self._full_weights(False)))).to(dtype)
+
+    def _lora_policy(self) -> nn.Module:
+        """The base with fresh LoRA adapters (float32 under a bf16 base): only they train (rollout/lora.py)."""
+        from steadyrl.rollout.lora import add_lora
+        from steadyrl.rollout.masked_lm import MaskedLMPolicy, lora_targets
+
+        policy = MaskedLMPolicy(self._base_network())
+        lora = self.settings.lora
+        return add_lora(policy, lora, lora.target_modules or lora_targets(policy.net))
+
+    def _full_weights(self, progress: bool = True) -> Path:
         """The tiny BERT pre-trained here, or the named model's weights (copied once into the cache as
         safetensors, so every actor gets them through the object store the same way)."""
         a = self.settings
@@ -133,6 +229,10 @@ class ArithTestbed(Testbed):
         )
 
         a = self.settings
+        if a.lora is not None:
+            policy = self._lora_policy()
+            policy.load_trainable_state_dict(weights)
+            return policy.eval()
         if a.pretrained is not None:
             return pretrained_architecture_with_weights(a.pretrained, weights, a.trust_remote_code)
         return masked_lm_from_weights(a.model, len(TOKENIZER), weights)
@@ -147,7 +247,8 @@ class ArithTestbed(Testbed):
     def _sampler(self, cfg):
         """The masked-diffusion sampler with the tokenizer's mask, EOS and pad ids."""
         codec = self.codec
-        return build_sampler(cfg, mask_token_id=self.mask_token_id, eos_token_id=codec.eos_id, pad_token_id=codec.pad_id)
+        return build_sampler(cfg, mask_token_id=self.mask_token_id, eos_token_id=codec.eos_id,
+                             pad_token_id=codec.pad_id)
 
     @property
     def eval_per_prompt(self) -> int:
@@ -159,10 +260,14 @@ class ArithTestbed(Testbed):
         per_step = self.settings.prompts_per_step
         share = np.array_split(np.arange(per_step), n_workers)[worker]
         ids = (step * per_step + share).tolist()
+        if self.settings.task == "file":
+            return self.file_task.train_prompts(self.settings.train_seed, ids), int(share[0])
         problems = self.task.problems(self.settings.train_seed, ids)
         return self.task.encode_prompts(problems, self.codec), int(share[0])
 
     def eval_prompts(self) -> Tensor:
+        if self.settings.task == "file":
+            return self.file_task.eval_prompts()
         return self.task.encode_prompts(self.task.problems(self.settings.eval_seed,
                                                            range(self.settings.eval_problems)), self.codec)
 
@@ -175,7 +280,7 @@ class ArithTestbed(Testbed):
         from steadyrl.reward.verifiers import VerifierSpec
 
         a = self.settings
-        verifier = VerifierSpec(task=a.task, partial_credit=a.partial_credit, tokenizer=a.pretrained,
+        verifier = VerifierSpec(task=a.task, file=a.file, partial_credit=a.partial_credit, tokenizer=a.pretrained,
                                 trust_remote_code=a.trust_remote_code, eos_token_id=a.eos_token_id,
                                 pad_token_id=a.pad_token_id)
         exact = verifier.model_copy(update={"partial_credit": False, "name": "exact"})
@@ -193,11 +298,12 @@ class ArithTestbed(Testbed):
         codec = self.codec
         prompts = [codec.decode(p[p != codec.pad_id]) for p in batch.cond]
         completions = [codec.decode(c) for c in batch.samples]
-        problems = self.task.problems(self.settings.eval_seed, range(self.settings.eval_problems))
-        per = max(1, len(batch) // len(problems))  # eval batches are prompt-major: row i is problem i // per
         by_len: dict[str, list[float]] = {}
-        for i, ok in enumerate(correct.tolist()):  # by the true answer's length (sums with a carry out: +1)
-            by_len.setdefault(f"{len(problems[i // per].answer)}-digit answers", []).append(ok)
+        if self.settings.task != "file":  # by the true answer's length (sums with a carry out: +1)
+            problems = self.task.problems(self.settings.eval_seed, range(self.settings.eval_problems))
+            per = max(1, len(batch) // len(problems))  # eval batches are prompt-major: row i is problem i // per
+            for i, ok in enumerate(correct.tolist()):
+                by_len.setdefault(f"{len(problems[i // per].answer)}-digit answers", []).append(ok)
         return {
             "held_out": float(correct.mean()),
             "proxy_mean": float(scores.reward.mean()),

@@ -45,6 +45,11 @@ class Testbed(ABC):
     def build_policy(self, weights: dict[str, Tensor]) -> nn.Module:
         """The policy network holding `weights`, in eval mode."""
 
+    def preflight(self) -> None:
+        """Checks that need the testbed built (token ids, prompt lengths), run before Ray starts: a bad setting
+        fails here with its name rather than in an actor."""
+        self.build_sampler()
+
     @abstractmethod
     def build_sampler(self):
         """The sampler of `cfg.sampler`, ready for this testbed's policy."""

@@ -35,3 +35,20 @@ def write_tiny_llada(directory: str | Path, seed: int = 0, **config_kwargs):
     config["auto_map"] = AUTO_MAP
     config_file.write_text(json.dumps(config, indent=2))
     return model
+
+
+CHARS = list("0123456789+=|")
+
+
+def write_char_tokenizer(directory: str | Path) -> None:
+    """A character-level tokenizer (no download): [PAD]=0, [EOS]=1, [UNK]=2, then one id per character of
+    the arith vocabulary (ids 3-15; a tiny LLaDA of vocabulary 24 with mask id 23 fits it)."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"[PAD]": 0, "[EOS]": 1, "[UNK]": 2, **{c: i + 3 for i, c in enumerate(CHARS)}}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    backend.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    backend.decoder = decoders.Fuse()
+    PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="[PAD]", eos_token="[EOS]",
+                            unk_token="[UNK]").save_pretrained(directory)
