@@ -17,8 +17,8 @@ def arith_run(ray_cluster, serve_port, tmp_path_factory):
     """The default arith preset (GRPO), cut to 24 steps. Pre-training is bitwise reproducible, so every machine
     builds the same seed-0 base model; the assertions below hold on every pre-training seed tried (0-4, with
     `steadyrl train --local configs/arith-grpo.yaml testbed.pretrain.seed=S run.steps=24`): greedy exact match on
-    the 1000 held-out sums 85.6 -> 96.9 %, 70.2 -> 91.0 %, 84.3 -> 93.1 %, 93.2 -> 96.1 %, 81.4 -> 91.3 % for
-    seeds 0-4."""
+    the 1000 held-out sums 85.6 -> 96.4 %, 70.2 -> 91.3 %, 84.3 -> 90.6 %, 93.2 -> 97.7 %, 81.4 -> 90.6 % for
+    seeds 0-4 (docs/testbeds.md)."""
     run_dir = tmp_path_factory.mktemp("arith") / "run"
     result = train(CONFIG_DIR / "arith-grpo.yaml",
                    [f"run.run_dir={run_dir}", "run.steps=24", "run.eval_every=24", "run.checkpoint_every=12",
@@ -29,7 +29,7 @@ def arith_run(ray_cluster, serve_port, tmp_path_factory):
 
 def test_grpo_on_the_masked_diffusion_lm_fixes_a_quarter_of_the_base_models_errors(arith_run):
     """Learning against the base model with a margin that holds whatever base the seed gives: the seeds above
-    fixed 43-78 % of the base's held-out errors (a base at 93 % has only 7 points of headroom, so a margin in
+    fixed 40-75 % of the base's held-out errors (a base at 93 % has only 7 points of headroom, so a margin in
     points could not hold for all of them)."""
     base, final = arith_run.base_eval, arith_run.final_eval
     assert base["n_samples"] == final["n_samples"] == 1000  # the same held-out problems, greedy
@@ -37,7 +37,7 @@ def test_grpo_on_the_masked_diffusion_lm_fixes_a_quarter_of_the_base_models_erro
     rows = read_metrics(arith_run.run_dir)
     first = rows[0]["reward/train_mean"]  # sampled by the base model
     last4 = sum(r["reward/train_mean"] for r in rows[-4:]) / 4
-    assert last4 > first, (first, last4)  # +0.03 to +0.22 over seeds 0-4
+    assert last4 > first, (first, last4)  # +0.004 to +0.17 over seeds 0-4
     # float32 recompute of the MC-estimated likelihoods stays within the alarm
     assert max(r["policy/rollout_logp_absdiff_max"] for r in rows) < 1e-3
 
