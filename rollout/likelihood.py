@@ -119,7 +119,7 @@ def stratified_counts(batch_size: int, n: int, gen_length: int, generator: torch
         L = lengths.view(batch_size, 1).double()
         k = (torch.rand(batch_size, 1, generator=generator, dtype=torch.float64) * L).floor() + 1
     spread = k + torch.arange(n, dtype=torch.float64) * (L / n)
-    return ((spread.round() - 1) % L + 1).long() if lengths is not None else (spread.round().long() - 1) % L + 1
+    return ((spread.round() - 1) % L + 1).long()  # exact: small integers in float64
 
 
 def _random_positions(count: Tensor, B: int, n: int, L: int, generator: torch.Generator,

@@ -53,7 +53,7 @@ class GRPOD1(PolicyGradientObjective):
         per_token = ppo_clip_loss(ratio, inputs.advantages.unsqueeze(1), self.cfg.eps_clip)
         metrics = ratio_metrics(ratio[scored], log_ratio[scored], self.cfg.eps_clip)
         if inputs.ref_tokens is not None and self.cfg.kl_coef > 0:
-            d = inputs.ref_tokens - new
+            d = (inputs.ref_tokens - new).masked_fill(~scored, 0.0)  # unscored tokens: 0, never exp() of garbage
             kl = d.exp() - d - 1
             per_token = per_token + self.cfg.kl_coef * kl
             metrics["policy/kl_ref"] = kl.detach()[scored].mean()
