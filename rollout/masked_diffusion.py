@@ -41,6 +41,7 @@ from steadyrl.rollout.likelihood import (
     guided_logits,
     prompt_attention,
 )
+from steadyrl.rollout.policy import module_device
 from steadyrl.rollout.sampler import LogProb
 
 
@@ -54,7 +55,7 @@ def gumbel_argmax(logits: Tensor, temperature: float, generator: torch.Generator
     """argmax(logits / T + Gumbel noise) (a sample of softmax(logits / T)); T = 0: plain argmax."""
     if temperature == 0:
         return logits.argmax(dim=-1)
-    u = torch.rand(logits.shape, generator=generator, dtype=torch.float64).clamp_(min=1e-20)
+    u = torch.rand(logits.shape, generator=generator, dtype=torch.float64).clamp_(min=1e-20).to(logits.device)
     return (logits.double() / temperature - torch.log(-torch.log(u))).argmax(dim=-1)
 
 
@@ -108,15 +109,20 @@ class MaskedDiffusionSampler:
 
     @torch.no_grad()
     def generate(self, policy, prompts: Tensor, generator: torch.Generator | None = None) -> Tensor:
-        """Completions [B, L] for prompts [B, P] (see the module docstring)."""
+        """Completions [B, L] for prompts [B, P] (see the module docstring), on the policy's device; random
+        draws come from the CPU `generator` and move there, so a seed gives the same tokens on any device up to
+        the network's numerics."""
         cfg = self.cfg
         L, block = cfg.gen_length, cfg.block_length or cfg.gen_length
         n_blocks = L // block
         per_block = cfg.num_steps // n_blocks
         P = prompts.shape[1]
+        device = module_device(policy)
+        prompts = prompts.to(device)
         attention = self.attention(prompts)
-        x = torch.cat([prompts, torch.full((len(prompts), L), self.mask_token_id, dtype=torch.long)], dim=1)
-        rows = torch.arange(len(prompts))
+        x = torch.cat([prompts, torch.full((len(prompts), L), self.mask_token_id, dtype=torch.long, device=device)],
+                      dim=1)
+        rows = torch.arange(len(prompts), device=device)
         for b in range(n_blocks):
             end = P + (b + 1) * block
             for k in transfer_schedule(block, per_block):
@@ -128,7 +134,7 @@ class MaskedDiffusionSampler:
                 if cfg.remasking == "low_confidence":
                     conf = torch.softmax(logits.double(), dim=-1).gather(-1, guess.unsqueeze(-1)).squeeze(-1)
                 else:
-                    conf = torch.rand(x.shape, generator=generator, dtype=torch.float64)
+                    conf = torch.rand(x.shape, generator=generator, dtype=torch.float64).to(device)
                 conf[:, end:] = -torch.inf
                 conf = torch.where(masked, conf, -torch.inf)
                 pick = conf.topk(k, dim=-1).indices
@@ -139,18 +145,20 @@ class MaskedDiffusionSampler:
     def sample(self, policy, cond: Tensor, n_per_cond: int, generator: torch.Generator,
                group_offset: int = 0, **_: object) -> RolloutBatch:
         """`n_per_cond` completions per prompt (cond: prompt ids [C, P]); one group per prompt. Stores the
-        MC masks (extras `mc_masks` [B, n, L], `prompt_masks` [B, n, P]) and their estimates as old_logp [B, n]."""
-        prompts = cond.long().repeat_interleave(n_per_cond, dim=0)
+        MC masks (extras `mc_masks` [B, n, L], `prompt_masks` [B, n, P]) and their estimates as old_logp [B, n].
+        The batch comes back on the CPU, ready for the object store."""
+        prompts = cond.long().cpu().repeat_interleave(n_per_cond, dim=0)
         group = (group_offset + torch.arange(len(cond))).repeat_interleave(n_per_cond)
-        completion = self.generate(policy, prompts, generator)
+        completion = self.generate(policy, prompts, generator).cpu()
         masks = self.draw_masks(len(prompts), prompts.shape[1], generator, self.valid(completion))
         batch = RolloutBatch(cond=prompts, group=group, samples=completion, traj=completion.unsqueeze(1),
                              old_logp=torch.zeros(len(prompts), self.cfg.mc_samples),
                              timesteps=self.timesteps.clone(), trainable=self.trainable.clone(),
                              extras={"mc_masks": masks.completion, "prompt_masks": masks.prompt})
-        logp = torch.stack([self.log_prob(policy, batch, j).logp
+        on_device = batch.to(device=module_device(policy))
+        logp = torch.stack([self.log_prob(policy, on_device, j).logp
                             for j in range(self.cfg.mc_samples)], dim=1)
-        return batch.replace(old_logp=logp)
+        return batch.replace(old_logp=logp.cpu())
 
     # ------------------------------------------------------------------ likelihood
     @property
@@ -160,8 +168,10 @@ class MaskedDiffusionSampler:
 
     def with_fresh_masks(self, batch: RolloutBatch, generator: torch.Generator) -> RolloutBatch:
         """The batch with newly drawn MC masks (independent of the rollout's, which the old policy keeps)."""
-        masks = self.draw_masks(len(batch), batch.cond.shape[1], generator, self.valid(batch.samples))
-        return batch.with_extras(mc_masks=masks.completion, prompt_masks=masks.prompt)
+        valid = self.valid(batch.samples)  # masks are drawn on the CPU (the generator's), then join the batch
+        masks = self.draw_masks(len(batch), batch.cond.shape[1], generator, None if valid is None else valid.cpu())
+        device = batch.samples.device
+        return batch.with_extras(mc_masks=masks.completion.to(device), prompt_masks=masks.prompt.to(device))
 
     def draw_masks(self, batch_size: int, prompt_length: int, generator: torch.Generator,
                    valid: Tensor | None = None) -> MaskDraw:
@@ -174,9 +184,10 @@ class MaskedDiffusionSampler:
     def log_prob(self, policy, batch: RolloutBatch, step: Tensor | int) -> SequenceLogProb:
         """The estimator at MC sample(s) `step` (int or [B]) of each row, with the batch's stored masks:
         logp [B] and the per-token terms it was built from."""
+        device = batch.samples.device
         if isinstance(step, int):
             step = torch.full((len(batch),), step, dtype=torch.long)
-        rows = torch.arange(len(batch))
+        rows, step = torch.arange(len(batch), device=device), step.to(device)
         masks = (batch.extras["mc_masks"][rows, step], batch.extras["prompt_masks"][rows, step])
         return estimate(policy, self.cfg.estimator, batch.cond, batch.samples, masks, self.mask_token_id, self.reduce,
                         self.cfg.cfg_scale, self.attention(batch.cond), self.valid(batch.samples))

@@ -60,7 +60,9 @@ def old_policy(sampler: Sampler, policy: nn.Module, mb: RolloutBatch, steps: Ten
     `keep_tokens` (masked diffusion), every MC sample's per-token log-probs [b,T,L]."""
     lp = torch.zeros_like(mb.old_logp)
     mean = torch.zeros_like(mb.traj[:, 1:]) if keep_mean else None
-    tokens = torch.zeros(*mb.old_logp.shape, mb.samples.shape[1], dtype=lp.dtype) if keep_tokens else None
+    tokens = None
+    if keep_tokens:
+        tokens = torch.zeros(*mb.old_logp.shape, mb.samples.shape[1], dtype=lp.dtype, device=lp.device)
     for s in steps.tolist():
         step = sampler.log_prob(policy, mb, s)
         lp[:, s] = step.logp
