@@ -193,10 +193,11 @@ class _MathWorker:
                 return proc
             proc.kill()
             proc.wait()
-        except OSError:
-            pass
-        logger.warning("could not start the math-verify child process; off the main thread, math answers are "
-                       "verified in a thread without an interruptible timeout")
+            reason = "it did not report ready"
+        except OSError as err:
+            reason = str(err)
+        logger.warning(f"could not start the math-verify child process ({reason}); off the main thread, math answers "
+                       "are verified in a thread without an interruptible timeout")
         self._failed = True
         return None
 

@@ -7,8 +7,8 @@ from typing import Sequence
 from torch import Tensor
 
 from steadyrl.reward.answer_verifiers import verify_answer
-from steadyrl.rollout.file_task import FileTaskSettings, chat_tokenizer, prompt_ids
-from steadyrl.rollout.task_files import TaskRow, render_prompt
+from steadyrl.rollout.file_task import FileTaskSettings, prompt_ids, rendered_prompt
+from steadyrl.rollout.task_files import TaskRow
 from steadyrl.rollout.text_codec import TextCodec
 
 
@@ -21,10 +21,10 @@ class TaskAnswers:
         self.by_ids: dict[tuple[int, ...], TaskRow] = {}
         train, held_out = settings.rows()
         for row in train + held_out:
-            rendered = render_prompt(row.question, chat_tokenizer(codec), settings.system_prompt)
+            rendered = rendered_prompt(row, codec, settings.system_prompt)
             self.by_text.setdefault(row.question.strip(), row)
             self.by_text.setdefault(rendered.strip(), row)
-            self.by_ids.setdefault(tuple(prompt_ids(row, codec, settings.system_prompt)), row)
+            self.by_ids.setdefault(tuple(prompt_ids(row, codec, text=rendered)), row)
 
     def row(self, prompt: str | Sequence[int] | Tensor) -> TaskRow | None:
         """The row a prompt belongs to (left padding dropped from ids); None for a prompt of no row."""

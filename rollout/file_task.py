@@ -32,9 +32,16 @@ def chat_tokenizer(codec: TextCodec) -> Any:
     return getattr(codec, "tokenizer", None)
 
 
-def prompt_ids(row: TaskRow, codec: TextCodec, system_prompt: str | None = None, where: str = "task row") -> list[int]:
-    """The token ids the model is prompted with for `row` (rendered, then encoded without special tokens)."""
-    text = render_prompt(row.question, chat_tokenizer(codec), system_prompt)
+def rendered_prompt(row: TaskRow, codec: TextCodec, system_prompt: str | None = None) -> str:
+    """The text the model is prompted with for `row`: its question in the codec's chat template, if any."""
+    return render_prompt(row.question, chat_tokenizer(codec), system_prompt)
+
+
+def prompt_ids(row: TaskRow, codec: TextCodec, system_prompt: str | None = None, where: str = "task row",
+               text: str | None = None) -> list[int]:
+    """The token ids the model is prompted with for `row` (`text`: its `rendered_prompt`, when already made),
+    encoded without special tokens."""
+    text = rendered_prompt(row, codec, system_prompt) if text is None else text
     try:
         ids = codec.encode(text)
     except ValueError as err:

@@ -37,6 +37,7 @@ Padding and EOS (what a real tokenizer's batch looks like; SPG/StableDRL's and d
 """
 from __future__ import annotations
 
+import functools
 import inspect
 from dataclasses import dataclass
 from typing import Literal
@@ -169,8 +170,14 @@ def _takes_position_ids(model) -> bool:
         inner = next((m for m in (getattr(model, a, None) for a in _WRAPPERS) if isinstance(m, torch.nn.Module)),
                      None)
         if inner is None:
-            return "position_ids" in inspect.signature(model.forward).parameters
+            return _forward_takes_position_ids(type(model))
         model = inner
+
+
+@functools.lru_cache(maxsize=None)
+def _forward_takes_position_ids(cls: type) -> bool:
+    """Once per model class: every padded forward asks."""
+    return "position_ids" in inspect.signature(cls.forward).parameters
 
 
 def model_logits(model, inputs: Tensor, attention: Tensor | None = None) -> Tensor:
