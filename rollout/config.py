@@ -121,6 +121,44 @@ class MaskedDiffusionSamplerConfig(SamplerBase):
         return self
 
 
+class VLLMEngineConfig(StrictModel):
+    """The vLLM engine a rollout worker hosts (`sampler.backend: vllm`; the `vllm` extra, README "vLLM")."""
+
+    dtype: Literal["float32", "bfloat16", "float16"] = Field(
+        "float32", description="the engine's weights and activations; float32 keeps its log-probs within the "
+        "stated tolerance of the learner's (bf16 engines are held only to the recompute, DESIGN of the ratio)")
+    gpu_memory_utilization: float = Field(0.5, gt=0, le=0.95, description="share of the GPU the engine may take "
+                                          "(weights + KV cache); the rest stays for a colocated learner")
+    cpu_kv_cache_gib: int = Field(1, ge=1, description="vLLM's CPU backend: KV-cache size in GiB "
+                                  "(VLLM_CPU_KVCACHE_SPACE)")
+    enforce_eager: bool = Field(True, description="no CUDA graphs / torch.compile: starts in seconds; set false on "
+                                "GPUs for throughput once a run is long")
+    max_num_seqs: int = Field(256, ge=1, description="sequences the engine batches at once")
+    seed: int = Field(0, description="the engine's own seed (each completion also gets a per-row seed from the "
+                      "step's generator, so a step's samples replay exactly)")
+
+
+class AutoregressiveSamplerConfig(SamplerBase):
+    """Token-by-token sampling of a causal LM, whose sequence log-likelihood is exact:
+    log pi(y | x) = sum_t log softmax(logits_t / T)[y_t] over the positions up to the first EOS. A training "step"
+    is that one exact likelihood (no Monte-Carlo masks). `backend` picks who generates: `transformers` (this
+    process, a KV-cached loop) or `vllm` (an engine inside the rollout worker); the learner always recomputes."""
+
+    kind: Literal["autoregressive"] = "autoregressive"
+    prediction: ClassVar[str] = "tokens"
+    backend: Literal["transformers", "vllm"] = Field(
+        "transformers", description="transformers: always installed; vllm: the `vllm` extra, the engine living in "
+        "the rollout worker and the learner's weights pushed into it after every update")
+    num_steps: int = Field(1, ge=1, le=1, description="one: the exact sequence likelihood (kept for the shared seam)")
+    gen_length: int = Field(8, ge=1, description="most completion tokens (generation stops at EOS)")
+    temperature: float = Field(1.0, ge=0, description="sampling temperature T; the behaviour policy is "
+                               "softmax(logits / T), which the learner's log-probs use too. 0 = greedy")
+    logp_reduce: Literal["mean", "sum"] = Field(
+        "sum", description="sum: log pi(y|x) exactly; mean: divided by the completion's length up to its EOS")
+    group_size: int = Field(8, ge=2, description="completions per prompt: one GRPO group")
+    vllm: VLLMEngineConfig = Field(default_factory=VLLMEngineConfig, description="backend=vllm: the engine")
+
+
 DEFAULT_SAMPLER_KIND = "ddim"
 
 
@@ -132,6 +170,7 @@ def _sampler_kind(value: Any) -> str:
 
 SamplerConfig = Annotated[
     Union[Annotated[DDIMSamplerConfig, Tag("ddim")], Annotated[FlowSDESamplerConfig, Tag("flow_sde")],
-          Annotated[MaskedDiffusionSamplerConfig, Tag("masked_diffusion")]],
+          Annotated[MaskedDiffusionSamplerConfig, Tag("masked_diffusion")],
+          Annotated[AutoregressiveSamplerConfig, Tag("autoregressive")]],
     Discriminator(_sampler_kind),
 ]

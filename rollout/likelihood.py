@@ -156,7 +156,7 @@ def _block_random(B: int, n: int, L: int, P: int, block: int, p: float, generato
     return MaskDraw(completion, torch.rand(B, n, P, generator=generator) < p)
 
 
-_WRAPPERS = ("module", "_orig_mod", "net", "policy")  # DeepSpeed, torch.compile, MaskedLMPolicy, AdapterReference
+_WRAPPERS = ("module", "_orig_mod", "net", "policy")  # DeepSpeed, torch.compile, LanguageModelPolicy, AdapterReference
 
 
 def _takes_position_ids(model) -> bool:
@@ -229,6 +229,13 @@ def masked_estimate(token_logp: Tensor, mask: Tensor, length: Tensor | int | Non
     L = mask.shape[-1] if length is None else length
     count = mask.sum(-1).clamp(min=1).to(token_logp.dtype)
     return (token_logp * mask).sum(-1) * (L / count)
+
+
+def k3_kl(new: LogProb, ref: LogProb) -> Tensor:
+    """k3 estimate of KL(pi_theta || pi_ref) per sample from sequence log-likelihoods: exp(d) - d - 1,
+    d = log pi_ref - log pi_theta (unbiased, never negative)."""
+    d = ref.logp - new.logp
+    return d.exp() - d - 1
 
 
 @dataclass

@@ -39,6 +39,7 @@ from steadyrl.rollout.likelihood import (
     draw_masks,
     estimate,
     guided_logits,
+    k3_kl,
     prompt_attention,
 )
 from steadyrl.rollout.policy import module_device
@@ -193,6 +194,5 @@ class MaskedDiffusionSampler:
                         self.cfg.cfg_scale, self.attention(batch.cond), self.valid(batch.samples))
 
     def kl(self, new: LogProb, ref: LogProb) -> Tensor:
-        """k3 estimate of KL(pi_theta || pi_ref) per sample: exp(d) - d - 1, d = log pi_ref - log pi_theta."""
-        d = ref.logp - new.logp
-        return d.exp() - d - 1
+        """k3 estimate of KL(pi_theta || pi_ref) per sample (`likelihood.k3_kl`)."""
+        return k3_kl(new, ref)

@@ -12,7 +12,7 @@ from pydantic import Field
 from torch import Tensor, nn
 
 from steadyrl.rollout.config import StrictModel
-from steadyrl.rollout.policy import AdaptableNetwork
+from steadyrl.rollout.policy import load_tied_weights, lora_targets_by_type
 
 
 class MaskedLM(Protocol):
@@ -55,26 +55,9 @@ DEFAULT_LORA_TARGETS = {
 }
 
 
-class MaskedLMPolicy(AdaptableNetwork):
-    """A masked-diffusion LM as a trainable policy: called exactly as the bare model
-    (`policy(input_ids, attention_mask=..., position_ids=...).logits`), plus what trains (the whole network or
-    its LoRA adapters, `rollout.lora.add_lora`) and its frozen reference (`AdaptableNetwork`)."""
-
-    def __init__(self, net: nn.Module):
-        super().__init__()
-        self.net = net
-
-    def forward(self, input_ids: Tensor, **kwargs: Any) -> Any:
-        return self.net(input_ids, **kwargs)
-
-
 def lora_targets(net: nn.Module) -> list[str]:
     """The default LoRA target modules of a masked LM, by its config's model type."""
-    model_type = getattr(getattr(net, "config", None), "model_type", None)
-    if model_type not in DEFAULT_LORA_TARGETS:
-        raise ValueError(f"no default LoRA targets for model type {model_type!r} (known: "
-                         f"{', '.join(DEFAULT_LORA_TARGETS)}): name them with testbed.lora.target_modules")
-    return DEFAULT_LORA_TARGETS[model_type]
+    return lora_targets_by_type(net, DEFAULT_LORA_TARGETS)
 
 
 def masked_lm_from_weights(cfg: MaskedLMConfig, vocab_size: int, weights: dict[str, Tensor]) -> nn.Module:
@@ -155,16 +138,7 @@ def pretrained_architecture_with_weights(name_or_path: str, weights: dict[str, T
     """The architecture of `name_or_path` (its config only: no weight download) holding `weights`, e.g. a
     state dict that came through Ray's object store."""
     config, loader, _ = resolve_pretrained_masked_lm(name_or_path, trust_remote_code)
-    model = loader.from_config(config, trust_remote_code=trust_remote_code)
-    missing, unexpected = model.load_state_dict(weights, strict=False)
-    if hasattr(model, "tie_weights"):
-        model.tie_weights()  # save_pretrained leaves out tied copies (e.g. an LM head tied to the embeddings)
-    state = model.state_dict()
-    loaded = {state[k].data_ptr() for k in weights if k in state}
-    untied = [k for k in missing if state[k].data_ptr() not in loaded]
-    if unexpected or untied:
-        raise ValueError(f"weights do not fit {name_or_path!r}: missing {untied[:5]}, unexpected {unexpected[:5]}")
-    return model.to(next(iter(weights.values())).dtype).eval()
+    return load_tied_weights(loader.from_config(config, trust_remote_code=trust_remote_code), weights, name_or_path)
 
 
 def _tokenizer_mask_id(name_or_path: str, trust_remote_code: bool) -> int | None:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import copy
 from abc import ABC, abstractmethod
-from typing import Union
+from typing import Any, Union
 
 import torch
 from torch import Tensor, nn
@@ -99,6 +99,43 @@ class AdaptableNetwork(nn.Module):
         if self.adapters_only:
             return AdapterReference(self)
         return copy.deepcopy(self).eval().requires_grad_(False)
+
+
+class LanguageModelPolicy(AdaptableNetwork):
+    """A language model (masked-diffusion or causal) as a trainable policy: called exactly as the bare model
+    (`policy(input_ids, attention_mask=..., position_ids=...).logits`), plus what trains (the whole network or
+    its LoRA adapters, `rollout.lora.add_lora`) and its frozen reference (`AdaptableNetwork`)."""
+
+    def __init__(self, net: nn.Module):
+        super().__init__()
+        self.net = net
+
+    def forward(self, input_ids: Tensor, **kwargs: Any) -> Any:
+        return self.net(input_ids, **kwargs)
+
+
+def lora_targets_by_type(net: nn.Module, table: dict[str, list[str]]) -> list[str]:
+    """The default LoRA target modules of a language model, by its config's model type (`table`)."""
+    model_type = getattr(getattr(net, "config", None), "model_type", None)
+    if model_type not in table:
+        raise ValueError(f"no default LoRA targets for model type {model_type!r} (known: {', '.join(table)}): name "
+                         "them with testbed.lora.target_modules")
+    return table[model_type]
+
+
+def load_tied_weights(model: nn.Module, weights: dict[str, Tensor], name: str) -> nn.Module:
+    """A transformers model (built from its config) holding `weights`, in their dtype and eval mode. Tied copies
+    that `save_pretrained` leaves out (an LM head tied to the embeddings) are re-tied; any other missing or
+    unexpected key is an error naming the model."""
+    missing, unexpected = model.load_state_dict(weights, strict=False)
+    if hasattr(model, "tie_weights"):
+        model.tie_weights()
+    state = model.state_dict()
+    loaded = {state[k].data_ptr() for k in weights if k in state}
+    untied = [k for k in missing if state[k].data_ptr() not in loaded]
+    if unexpected or untied:
+        raise ValueError(f"weights do not fit {name!r}: missing {untied[:5]}, unexpected {unexpected[:5]}")
+    return model.to(next(iter(weights.values())).dtype).eval()
 
 
 class Policy(AdaptableNetwork, ABC):

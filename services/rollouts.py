@@ -33,7 +33,7 @@ class Rollouts:
     def __init__(self, cfg: TrainConfig, base_weights: dict[str, Tensor], device: torch.device | str = "cpu"):
         self.cfg = cfg
         self.testbed = build_testbed(cfg)
-        self.policy = self.testbed.build_policy(base_weights).to(device)
+        self.policy = self.testbed.build_rollout_policy(base_weights, device)
         self.sampler = self.testbed.build_sampler()
         self.version = 0  # learner updates behind the weights held (0: the base weights)
 

@@ -1,6 +1,7 @@
 """Shared fixtures: one real local Ray and one real Serve (HTTP on 127.0.0.1) for the whole run."""
 from __future__ import annotations
 
+import importlib.util
 import os
 import sys
 from pathlib import Path
@@ -12,6 +13,9 @@ sys.path.insert(0, str(ROOT))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
+
+# tests/vllm_backend really run vLLM: collected where it is installed (`make test-vllm` builds that venv), never skipped
+collect_ignore = [] if importlib.util.find_spec("vllm") is not None else ["vllm_backend"]
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -8,7 +8,8 @@ from safetensors.torch import load_file
 
 from steadyrl.rollout.arith import TOKENIZER
 from steadyrl.rollout.lora import LoRAConfig, add_lora
-from steadyrl.rollout.masked_lm import MaskedLMPolicy, lora_targets
+from steadyrl.rollout.masked_lm import lora_targets
+from steadyrl.rollout.policy import LanguageModelPolicy
 from steadyrl.services.config import CONFIG_DIR
 from steadyrl.services.runtime import free_port, set_rank_env
 from steadyrl.trainer.balanced_gradient import BalancedGradientConfig
@@ -26,7 +27,7 @@ def single_rank():
 
 
 def lora_policy(dtype=torch.float32, rank: int = 4):
-    policy = MaskedLMPolicy(tiny_lm(dtype=dtype))
+    policy = LanguageModelPolicy(tiny_lm(dtype=dtype))
     return add_lora(policy, LoRAConfig(rank=rank, alpha=8.0), lora_targets(policy.net))
 
 

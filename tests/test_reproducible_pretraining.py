@@ -1,4 +1,5 @@
-"""Every pre-trained artefact (the digits UNets, the reward classifiers, the arith masked LM) comes out bitwise
+"""Every pre-trained artefact (the digits UNets, the reward classifiers, the arith masked LM and
+causal LM) comes out bitwise
 the same whatever the thread count of the process that builds it: the cache a fresh machine fills is the cache
 every other machine has."""
 from __future__ import annotations
@@ -25,6 +26,8 @@ from steadyrl.rollout.config import SchedulerConfig, UNetConfig
 from steadyrl.rollout.masked_lm import MaskedLMConfig
 from steadyrl.trainer.pretrain import PretrainConfig, pretrain_unet
 from steadyrl.trainer.pretrain_masked_lm import MaskedLMPretrainConfig, pretrain_masked_lm
+from steadyrl.rollout.causal_lm import CausalLMConfig
+from steadyrl.trainer.pretrain_causal_lm import CausalLMPretrainConfig, pretrain_causal_lm
 
 def digest(model):
     h = hashlib.sha256()
@@ -40,6 +43,8 @@ out = {
                                       prediction="velocity")[0]),
     "classifier": digest(train_classifier(RewardConfig().members[0].model_copy(update={"epochs": 2}))[0]),
     "masked_lm": digest(pretrain_masked_lm(ArithTask(), MaskedLMConfig(), MaskedLMPretrainConfig(iterations=30),
+                                           progress=False)[0]),
+    "causal_lm": digest(pretrain_causal_lm(ArithTask(), CausalLMConfig(), CausalLMPretrainConfig(iterations=10),
                                            progress=False)[0]),
     "threads_after": torch.get_num_threads(),
 }
@@ -58,7 +63,7 @@ def test_pretrained_weights_are_bitwise_the_same_on_one_and_two_threads():
     one, two = build_in_subprocess(1), build_in_subprocess(2)
     assert (one["threads"], two["threads"]) == (1, 2)
     assert (one["threads_after"], two["threads_after"]) == (1, 2)  # the caller's thread count is restored
-    for artefact in ("epsilon_unet", "flow_unet", "classifier", "masked_lm"):
+    for artefact in ("epsilon_unet", "flow_unet", "classifier", "masked_lm", "causal_lm"):
         assert one[artefact] == two[artefact], artefact
 
 

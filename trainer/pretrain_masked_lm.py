@@ -16,13 +16,13 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from pydantic import Field
-from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from steadyrl.rollout.arith import TOKENIZER, ArithTask
 from steadyrl.rollout.cache import build_dir_atomically, build_key, cache_root, reproducible_build
 from steadyrl.rollout.config import StrictModel
 from steadyrl.rollout.masked_lm import MaskedLMConfig, build_masked_lm
 from steadyrl.rollout.models import save_weights
+from steadyrl.trainer.pretrain_loop import fit_on_problems
 
 MODEL_FILE = "masked_lm.safetensors"
 
@@ -54,21 +54,10 @@ def pretrain_masked_lm(task: ArithTask, model_cfg: MaskedLMConfig, cfg: MaskedLM
     """Train a tiny masked LM on `task`'s problems; returns (model, losses)."""
     with reproducible_build(cfg.seed) as gen:
         model = build_masked_lm(model_cfg, len(TOKENIZER), TOKENIZER.pad_id)
-        opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
-        losses: list[float] = []
-        with Progress(TextColumn(f"[bold]pretraining masked-diffusion LM ({task.task})"), BarColumn(),
-                      TextColumn("{task.completed}/{task.total}"), TextColumn("loss {task.fields[loss]:.4f}"),
-                      TimeElapsedColumn(), disable=not progress) as bar:
-            job = bar.add_task("pretrain", total=cfg.iterations, loss=float("nan"))
-            for it in range(cfg.iterations):
-                problems = task.problems(cfg.problem_seed, range(it * cfg.batch_size, (it + 1) * cfg.batch_size))
-                loss = masked_diffusion_loss(model, task.encode_prompts(problems), task.encode_completions(problems),
-                                             cfg.t_min, gen)
-                opt.zero_grad(set_to_none=True)
-                loss.backward()
-                opt.step()
-                losses.append(loss.item())
-                bar.update(job, advance=1, loss=sum(losses[-20:]) / len(losses[-20:]))
+        losses = fit_on_problems(
+            model, task, lambda m, prompt, completion: masked_diffusion_loss(m, prompt, completion, cfg.t_min, gen),
+            iterations=cfg.iterations, batch_size=cfg.batch_size, lr=cfg.lr, problem_seed=cfg.problem_seed,
+            title=f"pretraining masked-diffusion LM ({task.task})", progress=progress)
         return model.eval(), losses
 
 

@@ -5,8 +5,10 @@
   reference_sequence_logp  sequence-level samplers: the reference's sequence estimate (KL monitor and penalty)
   recorded_noise           reward back-propagation: the noise of the last K stored steps
   RecomputeAlarm           the gap between recomputed and rollout log-probs of current samples
-                           (`policy/rollout_logp_absdiff_max`; a warning above `learner.logp_alarm`)
-  BehaviourWeights         lagged (asynchronous) samples: min(pi_prox / pi_b, cap) (trainer/off_policy.py)
+                           (`policy/rollout_logp_absdiff_max`; a warning above `learner.logp_alarm`), and per token
+                           where the sampler kept its tokens' log-probs (`policy/rollout_token_logp_absdiff_max`)
+  BehaviourWeights         lagged (asynchronous) samples, and samples of an inference engine (vLLM, whose numerics
+                           are not the learner's): min(pi_prox / pi_b, cap) (trainer/off_policy.py)
   kl_monitor               KL(pi_theta || pi_ref) (`policy/kl_ref_monitor`)
 
 `recompute_old` runs them per micro-batch, in that order.
@@ -19,7 +21,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from steadyrl.rollout.batch import RolloutBatch
+from steadyrl.rollout.batch import BEHAVIOUR_ENGINE, BEHAVIOUR_TOKEN_LOGP, RolloutBatch
 from steadyrl.rollout.sampler import LogProb, Sampler
 from steadyrl.trainer.config import LearnerConfig
 from steadyrl.trainer.context import UpdateContext
@@ -44,7 +46,9 @@ class OldPolicy:
         """Advantages times the behaviour weight of each term (trainer/off_policy.py); unchanged when current."""
         if self.behaviour_weight is None or advantages is None:
             return advantages
-        w = self.behaviour_weight if rows is None else self.behaviour_weight[rows, step]
+        w = self.behaviour_weight
+        if rows is not None:  # a term's rows (at its step; a sequence-level weight [b] has one per row)
+            w = w[rows] if w.dim() == 1 else w[rows, step]
         return advantages * w.to(advantages)
 
     @property
@@ -93,19 +97,26 @@ class RecomputeAlarm:
     def __init__(self, threshold: float):
         self.threshold = threshold
         self.gaps: list[Tensor] = []
+        self.token_gaps: list[Tensor] = []
 
     def observe(self, old: OldPolicy, mb: RolloutBatch, current: Tensor, steps: Tensor) -> None:
-        if current.any():
-            lp = old.logp
-            self.gaps.append((lp[:, steps] - mb.old_logp[:, steps])[current.to(lp.device)].abs().max())
+        if not current.any():
+            return
+        lp, rows = old.logp, current.to(old.logp.device)
+        self.gaps.append((lp[:, steps] - mb.old_logp[:, steps])[rows].abs().max())
+        sampled = mb.extras.get(BEHAVIOUR_TOKEN_LOGP)  # [b, L], 0 at unscored positions (as the recompute's)
+        if sampled is not None and old.token_logp is not None:
+            self.token_gaps.append((old.token_logp[:, 0] - sampled.to(lp))[rows].abs().max())
 
     def metrics(self) -> dict[str, float]:
         absdiff = float(torch.stack(self.gaps).max()) if self.gaps else 0.0
+        extra = {"policy/rollout_token_logp_absdiff_max": float(torch.stack(self.token_gaps).max())} \
+            if self.token_gaps else {}
         if absdiff > self.threshold:
             log.warning("recomputed old log-probs differ from the rollout's by %.2e (> %.0e): policy "
                         "weights out of sync or numerics drift", absdiff, self.threshold)
         return {"policy/rollout_logp_absdiff_max": absdiff,
-                "policy/rollout_logp_alarm": float(absdiff > self.threshold)}
+                "policy/rollout_logp_alarm": float(absdiff > self.threshold), **extra}
 
 
 class BehaviourWeights:
@@ -152,19 +163,23 @@ def recompute_old(ctx: UpdateContext, micro: list[RolloutBatch], updates: int,
     """The old policy of every micro-batch (`updates`: the learner's version, for staleness), and the metrics."""
     steps, sequence, objective = ctx.train_steps, ctx.sequence_level, ctx.objective
     alarm, weights = RecomputeAlarm(cfg.logp_alarm), BehaviourWeights(cfg.behaviour_weight_cap)
-    olds, kls = [], []
+    olds, kls, engine_samples = [], [], False
     for mb in micro:
-        old = old_policy(ctx.sampler, ctx.policy, mb, steps, objective.needs_old_mean, objective.token_level)
+        keep_tokens = objective.token_level or BEHAVIOUR_TOKEN_LOGP in mb.extras
+        old = old_policy(ctx.sampler, ctx.policy, mb, steps, objective.needs_old_mean, keep_tokens)
         if sequence:
             old.ref_logp = reference_sequence_logp(ctx.sampler, ctx.reference, mb, steps)
         if isinstance(objective, RewardBackpropObjective):
             old.noise = recorded_noise(ctx.sampler, ctx.policy, mb, objective.cfg.backprop_steps)
         lagged = staleness(mb, updates) > 0
         alarm.observe(old, mb, ~lagged, steps)
-        old.behaviour_weight = weights.weigh(old, mb, lagged, steps, sequence)
+        engine = mb.extras.get(BEHAVIOUR_ENGINE)
+        engine = torch.zeros_like(lagged) if engine is None else engine.cpu().bool()
+        engine_samples |= bool(engine.any())
+        old.behaviour_weight = weights.weigh(old, mb, lagged | engine, steps, sequence)
         olds.append(old)
         kls.append(kl_monitor(ctx, mb, old))
     metrics = {**alarm.metrics(), "policy/kl_ref_monitor": float(torch.cat(kls).mean())}
-    if cfg.max_staleness > 0:
+    if cfg.max_staleness > 0 or engine_samples:
         metrics.update(weights.metrics())
     return olds, metrics

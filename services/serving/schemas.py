@@ -168,6 +168,12 @@ class ArithRequest(StrictBody):
         return Batch([x.completion for x in s], [x.prompt for x in s], _groups([x.group for x in s]))
 
 
+class ArithARRequest(ArithRequest):
+    """Prompt/completion pairs of the arith_ar testbed (an autoregressive LM on the arith tasks), as for arith."""
+
+    kind: Literal["arith_ar"] = "arith_ar"
+
+
 class TextToImageRequest(StrictBody):
     """Text-to-image samples (POST /v1/score of a text-to-image app): PNGs, all of one size, and their prompts,
     scored as images [B,3,H,W] in [-1, 1]."""
@@ -261,7 +267,8 @@ class RestProfile:
     legacy_request: type[StrictBody] | None = None
 
 
-AnyScoreRequest = Annotated[Union[DigitsRequest, ArithRequest, TextToImageRequest], Field(discriminator="kind")]
+AnyScoreRequest = Annotated[Union[DigitsRequest, ArithRequest, ArithARRequest, TextToImageRequest],
+                            Field(discriminator="kind")]
 """The v1 body of any testbed, tagged by `kind` (each app accepts, and publishes, its own testbed's)."""
 
 M = TypeVar("M", bound=StrictBody)

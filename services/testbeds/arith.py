@@ -176,66 +176,97 @@ class ArithTestbed(Testbed):
             save_file({k: v.detach().contiguous() for k, v in state.items()}, str(tmp / "trainable.safetensors"))
 
         key = config_key({"base": base, "lora": a.lora.model_dump(), "dtype": a.dtype})
-        return build_dir_atomically(cache_root() / "models" / f"mlm-lora-{key}", build) / "trainable.safetensors"
+        return (build_dir_atomically(cache_root() / "models" / f"{self.cache_tag}-lora-{key}", build)
+                / "trainable.safetensors")
+
+    # model-family hooks (the arith_ar testbed overrides them for a causal LM)
+    cache_tag = "mlm"  # names the cache folders of a named model's weights and of LoRA's initial adapters
+    weights_file = "masked_lm.safetensors"
+
+    def _wrap(self, net: nn.Module) -> nn.Module:
+        from steadyrl.rollout.policy import LanguageModelPolicy
+
+        return LanguageModelPolicy(net)
+
+    def _default_lora_targets(self, net: nn.Module) -> list[str]:
+        from steadyrl.rollout.masked_lm import lora_targets
+
+        return lora_targets(net)
+
+    def _load_pretrained(self, dtype=None) -> nn.Module:
+        """The named model (`pretrained`) with its weights, from the hub cache or a directory."""
+        from steadyrl.rollout.masked_lm import load_pretrained_masked_lm
+
+        a = self.settings
+        return load_pretrained_masked_lm(a.pretrained, a.trust_remote_code, dtype)[0]
+
+    def _tiny_network(self, weights: dict[str, Tensor]) -> nn.Module:
+        """The tiny model built here, holding `weights`."""
+        from steadyrl.rollout.arith import TOKENIZER
+        from steadyrl.rollout.masked_lm import masked_lm_from_weights
+
+        return masked_lm_from_weights(self.settings.model, len(TOKENIZER), weights)
+
+    def _pretrained_architecture(self, weights: dict[str, Tensor]) -> nn.Module:
+        """The named model's architecture (config only) holding `weights`."""
+        from steadyrl.rollout.masked_lm import pretrained_architecture_with_weights
+
+        a = self.settings
+        return pretrained_architecture_with_weights(a.pretrained, weights, a.trust_remote_code)
+
+    def _pretrain_tiny(self, progress: bool) -> Path:
+        """The tiny model's pre-trained weights (cached; rebuilt bitwise where the cache is empty)."""
+        from steadyrl.trainer.pretrain_masked_lm import ensure_pretrained_masked_lm
+
+        a = self.settings
+        return ensure_pretrained_masked_lm(self.task, a.model, a.pretrain, progress)
 
     def _base_network(self) -> nn.Module:
         """The frozen base under LoRA, built in this process in `dtype`: the named model (hub cache or directory),
-        or the tiny BERT pre-trained here (cached; rebuilt bitwise where the cache is empty)."""
+        or the tiny model pre-trained here."""
         import torch
         from safetensors.torch import load_file
 
-        from steadyrl.rollout.arith import TOKENIZER
-        from steadyrl.rollout.masked_lm import load_pretrained_masked_lm, masked_lm_from_weights
-
         a, dtype = self.settings, getattr(torch, self.settings.dtype)
         if a.pretrained is not None:
-            return load_pretrained_masked_lm(a.pretrained, a.trust_remote_code, dtype)[0]
-        return masked_lm_from_weights(a.model, len(TOKENIZER), load_file(str(self._full_weights(False)))).to(dtype)
+            return self._load_pretrained(dtype)
+        return self._tiny_network(load_file(str(self._full_weights(False)))).to(dtype)
 
     def _lora_policy(self) -> nn.Module:
         """The base with fresh LoRA adapters (float32 under a bf16 base): only they train (rollout/lora.py)."""
         from steadyrl.rollout.lora import add_lora
-        from steadyrl.rollout.masked_lm import MaskedLMPolicy, lora_targets
 
-        policy = MaskedLMPolicy(self._base_network())
+        policy = self._wrap(self._base_network())
         lora = self.settings.lora
-        return add_lora(policy, lora, lora.target_modules or lora_targets(policy.net))
+        return add_lora(policy, lora, lora.target_modules or self._default_lora_targets(policy.net))
 
     def _full_weights(self, progress: bool = True) -> Path:
-        """The tiny BERT pre-trained here, or the named model's weights (copied once into the cache as
+        """The tiny model pre-trained here, or the named model's weights (copied once into the cache as
         safetensors, so every actor gets them through the object store the same way)."""
         a = self.settings
         if a.pretrained is not None and (Path(a.pretrained) / "model.safetensors").exists():
             return Path(a.pretrained) / "model.safetensors"  # a local directory written by save_pretrained
         if a.pretrained is not None:
             from steadyrl.rollout.cache import build_dir_atomically, cache_root, config_key
-            from steadyrl.rollout.masked_lm import load_pretrained_masked_lm
             from steadyrl.rollout.models import save_weights
 
             def build(tmp: Path) -> None:
-                save_weights(load_pretrained_masked_lm(a.pretrained, a.trust_remote_code)[0], tmp / "masked_lm.safetensors")
+                save_weights(self._load_pretrained(), tmp / self.weights_file)
 
             key = config_key({"pretrained": a.pretrained})
-            return build_dir_atomically(cache_root() / "models" / f"pretrained-mlm-{key}", build) / "masked_lm.safetensors"
-        from steadyrl.trainer.pretrain_masked_lm import ensure_pretrained_masked_lm
-
-        return ensure_pretrained_masked_lm(self.task, a.model, a.pretrain, progress)
+            return (build_dir_atomically(cache_root() / "models" / f"pretrained-{self.cache_tag}-{key}", build)
+                    / self.weights_file)
+        return self._pretrain_tiny(progress)
 
     def build_policy(self, weights: dict[str, Tensor]) -> nn.Module:
-        from steadyrl.rollout.arith import TOKENIZER
-        from steadyrl.rollout.masked_lm import (
-            masked_lm_from_weights,
-            pretrained_architecture_with_weights,
-        )
-
         a = self.settings
         if a.lora is not None:
             policy = self._lora_policy()
             policy.load_trainable_state_dict(weights)
             return policy.eval()
         if a.pretrained is not None:
-            return pretrained_architecture_with_weights(a.pretrained, weights, a.trust_remote_code)
-        return masked_lm_from_weights(a.model, len(TOKENIZER), weights)
+            return self._pretrained_architecture(weights)
+        return self._tiny_network(weights)
 
     def build_sampler(self):
         return self._sampler(self.cfg.sampler)

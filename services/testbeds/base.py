@@ -45,6 +45,11 @@ class Testbed(ABC):
     def build_policy(self, weights: dict[str, Tensor]) -> nn.Module:
         """The policy network holding `weights`, in eval mode."""
 
+    def build_rollout_policy(self, weights: dict[str, Tensor], device) -> nn.Module:
+        """What a rollout worker samples with: the policy on `device`, unless the testbed's sampler backend holds
+        one of its own (an inference engine, which then loads every weight sync)."""
+        return self.build_policy(weights).to(device)
+
     def preflight(self) -> None:
         """Checks that need the testbed built (token ids, prompt lengths), run before Ray starts: a bad setting
         fails here with its name rather than in an actor."""
