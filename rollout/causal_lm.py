@@ -23,7 +23,7 @@ class CausalLMConfig(StrictModel):
     """A tiny transformers `LlamaForCausalLM` (about 0.4 M parameters by default); no dropout, untied head."""
 
     hidden_size: int = Field(128, ge=8)
-    num_layers: int = Field(2, ge=1)
+    num_layers: int = Field(4, ge=1)
     num_heads: int = Field(2, ge=1, description="hidden_size / num_heads is the head size (64: vLLM's CPU kernels "
                            "support it)")
     intermediate_size: int = Field(256, ge=8)

@@ -1,9 +1,16 @@
 """vLLM as a rollout backend: an engine inside the rollout worker that generates with per-token log-probs and
 takes the learner's weights after every update (the `vllm` extra; README "vLLM").
 
-The engine runs in the worker's own process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`), so a weight sync is a call,
-not a copy between processes. Full weights go through `collective_rpc` to `WeightReloadExtension`, vLLM's worker
-extension hook (as OpenRLHF and verl use it): `model.load_weights` between vLLM's layerwise-reload brackets, which
+The engine runs in the worker's own process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`). Full weights reach it two ways:
+
+  object store   the worker fetches the learner's tensors and hands them to `WeightReloadExtension` through
+                 `collective_rpc` (vLLM's worker-extension hook, as OpenRLHF and verl use it);
+  broadcast      (`ray.weight_sync: collective`) vLLM's native weight-transfer API with a backend registered here,
+                 `BroadcastWeightTransfer`: the engine's worker joins learner rank 0's broadcast group
+                 (`trainer.weight_broadcast`, gloo on the CPU, NCCL on GPUs) and receives the tensors itself
+                 (`init_weight_transfer_engine` once, then `start_weight_update` -> `update_weights` ->
+                 `finish_weight_update` per sync).
+Either way the tensors are loaded with `model.load_weights` between vLLM's layerwise-reload brackets, which
 re-process the layers' kernel tensors afterwards (on the CPU backend a bare `load_weights` does not take effect).
 LoRA adapters are written as a PEFT adapter directory and served as a new `LoRARequest` per policy version.
 
@@ -56,19 +63,88 @@ def check_servable(architectures: list[str] | None, model: str) -> None:
                          "vLLM implements")
 
 
+def reload_weights(model, model_config, weights) -> int:
+    """Load checkpoint-named (name, tensor) pairs into a running vLLM model and re-process its layers."""
+    from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
+
+    initialize_layerwise_reload(model)
+    loaded = model.load_weights(iter(weights))
+    finalize_layerwise_reload(model, model_config)
+    return len(loaded) if loaded is not None else len(weights)
+
+
 class WeightReloadExtension:
     """Methods vLLM mixes into its worker (`worker_extension_cls`); called through `LLM.collective_rpc`."""
 
     def steadyrl_load_weights(self, weights: list[tuple[str, Tensor]]) -> int:
-        """Load checkpoint-named tensors into the running model and re-process its layers; returns how many
-        parameters were loaded."""
-        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
+        """Load the learner's tensors into the running model; returns how many parameters were loaded."""
+        return reload_weights(self.model_runner.model, self.model_runner.model_config, weights)
 
-        model = self.model_runner.model
-        initialize_layerwise_reload(model)
-        loaded = model.load_weights(iter(weights))
-        finalize_layerwise_reload(model, self.model_runner.model_config)
-        return len(loaded) if loaded is not None else len(weights)
+
+BROADCAST_BACKEND = "steadyrl_broadcast"
+
+
+def register_broadcast_transfer() -> str:
+    """Register `BroadcastWeightTransfer` with vLLM's weight-transfer factory (once per process); its name."""
+    from dataclasses import dataclass
+
+    from vllm.distributed.weight_transfer.base import (WeightTransferEngine, WeightTransferInitInfo,
+                                                       WeightTransferUpdateInfo)
+    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+
+    if BROADCAST_BACKEND in WeightTransferEngineFactory._registry:
+        return BROADCAST_BACKEND
+
+    @dataclass
+    class BroadcastInitInfo(WeightTransferInitInfo):
+        master_address: str
+        master_port: int
+        rank: int
+        world_size: int
+        backend: str = "gloo"
+        timeout_s: float = 600.0
+
+    @dataclass
+    class BroadcastUpdateInfo(WeightTransferUpdateInfo):
+        names: list[str]
+        dtype_names: list[str]
+        shapes: list[list[int]]
+
+    class BroadcastWeightTransfer(WeightTransferEngine[BroadcastInitInfo, BroadcastUpdateInfo]):
+        """Receives learner rank 0's `WeightBroadcastGroup` broadcast inside the vLLM worker (member `rank`)."""
+
+        init_info_cls = BroadcastInitInfo
+        update_info_cls = BroadcastUpdateInfo
+
+        def init_transfer_engine(self, init_info: BroadcastInitInfo) -> None:
+            from steadyrl.trainer.weight_broadcast import WeightBroadcastGroup
+
+            self.group = WeightBroadcastGroup(init_info.master_address, init_info.master_port, init_info.rank,
+                                              init_info.world_size, init_info.backend, init_info.timeout_s)
+
+        def start_weight_update(self) -> None:
+            from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
+
+            initialize_layerwise_reload(self.model)
+
+        def update_weights(self, update_info: dict[str, Any]) -> None:  # the base's also syncs an accelerator
+            self.receive_weights(self.parse_update_info(update_info))
+
+        def receive_weights(self, update_info: BroadcastUpdateInfo) -> None:
+            like = {name: torch.empty(shape, dtype=getattr(torch, dtype), device="meta")
+                    for name, dtype, shape in zip(update_info.names, update_info.dtype_names, update_info.shapes)}
+            self.model.load_weights(iter(self.group.receive(like).items()))
+
+        def finish_weight_update(self) -> None:
+            from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+
+            finalize_layerwise_reload(self.model, self.model_config)
+
+        def shutdown(self) -> None:
+            self.group = None
+
+    WeightTransferEngineFactory.register_engine(BROADCAST_BACKEND, BroadcastWeightTransfer)
+    return BROADCAST_BACKEND
 
 
 class VLLMEngine:
@@ -93,6 +169,10 @@ class VLLMEngine:
             model=model, skip_tokenizer_init=True, dtype=cfg.dtype, enforce_eager=cfg.enforce_eager,
             max_model_len=max_model_len, seed=cfg.seed, max_num_seqs=cfg.max_num_seqs,
             logprobs_mode="processed_logprobs", worker_extension_cls=f"{__name__}.WeightReloadExtension")
+        if lora is None:  # full weights can also arrive through the native weight-transfer API (broadcast)
+            from vllm.config import WeightTransferConfig
+
+            kwargs["weight_transfer_config"] = WeightTransferConfig(backend=register_broadcast_transfer())
         if device != "cpu":
             kwargs["gpu_memory_utilization"] = cfg.gpu_memory_utilization
         if lora is not None:
@@ -134,6 +214,29 @@ class VLLMEngine:
         previous, self.lora_request = self.lora_request, LoRARequest(f"policy-{self.loads}", self.loads, str(path))
         if previous is not None:
             self.llm.llm_engine.remove_lora(previous.lora_int_id)
+
+    # ------------------------------------------------------------------ the learner's broadcast
+    def join_weight_group(self, master_addr: str, master_port: int, rank: int, size: int, backend: str,
+                          timeout_s: float) -> bool:
+        """Join learner rank 0's broadcast group as member `rank` inside the engine (vLLM's weight-transfer API);
+        False when this engine takes adapters (LoRA is loaded as a LoRARequest: the worker receives them)."""
+        if self.lora is not None:
+            return False
+        self.llm.init_weight_transfer_engine({"init_info": dict(
+            master_address=master_addr, master_port=master_port, rank=rank, world_size=size, backend=backend,
+            timeout_s=timeout_s)})
+        return True
+
+    def receive_broadcast(self) -> None:
+        """Receive one broadcast of the trained tensors into the running model (at the same time as learner rank 0
+        broadcasts them)."""
+        names = sorted(self.shapes)
+        self.llm.start_weight_update()
+        self.llm.update_weights({"update_info": dict(
+            names=names, dtype_names=[str(self.shapes[n][1]).removeprefix("torch.") for n in names],
+            shapes=[list(self.shapes[n][0]) for n in names])})
+        self.llm.finish_weight_update()
+        self.loads += 1
 
     def generate_tokens(self, prompts: Tensor, attention: Tensor | None, max_tokens: int, temperature: float,
                         eos_id: int, pad_id: int, generator: torch.Generator) -> Generated:

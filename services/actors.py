@@ -67,7 +67,7 @@ class RolloutWorker:
         self.rollouts = Rollouts(self.cfg, base_weights, actor_device(self.cfg.ray.rollout_gpus))
         self._reward = None
         self.reward_retries = 0  # scoring calls retried since the last summary (a reward replica died)
-        self.weight_group: WeightBroadcastGroup | None = None  # ray.weight_sync=collective
+        self.weight_group: Any = None  # ray.weight_sync=collective: a WeightBroadcastGroup, or the engine policy
 
     @property
     def reward(self) -> Any:
@@ -104,15 +104,24 @@ class RolloutWorker:
         return actor_info("rollout", self.index)
 
     def join_weight_group(self, master_addr: str, master_port: int, size: int, backend: str) -> None:
-        """Become member index+1 of the learner's weight broadcast group (`ray.weight_sync: collective`)."""
-        self.weight_group = WeightBroadcastGroup(master_addr, master_port, self.index + 1, size, backend,
-                                                 self.cfg.ray.step_timeout_s)
+        """Become member index+1 of the learner's weight broadcast group (`ray.weight_sync: collective`); a policy
+        that receives broadcasts itself (a vLLM engine, through its weight-transfer API) joins in its place."""
+        policy, rank, timeout = self.rollouts.policy, self.index + 1, self.cfg.ray.step_timeout_s
+        if hasattr(policy, "join_weight_group") and policy.join_weight_group(master_addr, master_port, rank, size,
+                                                                             backend, timeout):
+            self.weight_group = policy
+            return
+        self.weight_group = WeightBroadcastGroup(master_addr, master_port, rank, size, backend, timeout)
 
     def receive_weights(self, version: int) -> float:
         """Receive policy `version` from learner rank 0's broadcast; returns the seconds it took."""
         if self.weight_group is None:
             raise RuntimeError(f"worker {self.index} is in no weight broadcast group")
         t0 = time.perf_counter()
+        if self.weight_group is self.rollouts.policy:  # the engine receives into its running model
+            self.rollouts.policy.receive_broadcast()
+            self.rollouts.version = version
+            return time.perf_counter() - t0
         received = self.weight_group.receive(trainable_state(self.rollouts.policy))
         return self.rollouts.load(version, received) + (time.perf_counter() - t0)
 

@@ -161,3 +161,24 @@ def test_a_sequence_level_behaviour_weight_applies_per_row_in_per_term_objective
     adv = torch.tensor([1.0, 1.0, -1.0])
     rows = torch.tensor([1, 2, 3])
     assert old.weighted(adv, rows, torch.zeros(3, dtype=torch.long)).tolist() == [0.5, 2.0, -1.0]
+
+
+@pytest.mark.parametrize("task", [
+    ["testbed.task=sudoku", "sampler.gen_length=17", "testbed.model.max_positions=48",
+     "testbed.pretrain.iterations=3"],
+    ["testbed.task=file", "testbed.file.task_file=arith_addition"],  # the default base (shared with the e2e run)
+])
+def test_the_causal_lm_trains_on_every_arith_task_through_the_product_loop(task, tmp_path):
+    """Synthetic sudoku (a base of a few iterations) and a task file (the default base, whose rewards differ within
+    groups, so it takes gradient steps), each sampled, verified and updated by the local runtime of `steadyrl
+    train` (the Ray path: tests/test_e2e_arith_ar.py)."""
+    from tests.helpers import train_local
+
+    result, rows = train_local(CONFIG_DIR / "arith-ar-grpo.yaml", tmp_path / "run",
+                               ["run.steps=2", "run.eval_every=2", "testbed.eval_problems=8",
+                                "testbed.prompts_per_step=4", *task])
+    assert result.steps_done == 2 and len(rows) == 2
+    assert all(r["policy/rollout_token_logp_absdiff_max"] < 1e-4 for r in rows)
+    if "testbed.task=file" in task:
+        assert all(r["policy/grad_norm"] > 0 for r in rows)
+    assert result.final_eval["n_samples"] == 8

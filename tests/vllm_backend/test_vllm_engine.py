@@ -85,6 +85,37 @@ def test_a_full_weight_sync_makes_the_engine_sample_and_score_as_the_new_weights
     assert token_gap(engine, base) < TOLERANCE
 
 
+def test_the_native_weight_transfer_api_receives_learner_rank_0s_broadcast(full_engine):
+    """ray.weight_sync=collective's path: the engine's vLLM worker joins learner rank 0's gloo group through vLLM's
+    weight-transfer API (a backend registered by steadyrl) and receives the tensors into its running model."""
+    import socket
+    import threading
+
+    from steadyrl.trainer.weight_broadcast import WeightBroadcastGroup
+
+    engine, base = full_engine
+    new = policy(seed=2)
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    sent: dict[str, int] = {}
+
+    def learner_rank_0() -> None:
+        group = WeightBroadcastGroup("127.0.0.1", port, 0, 2, "gloo", 120)
+        sent["bytes"] = group.broadcast(trainable_state(new))
+
+    thread = threading.Thread(target=learner_rank_0)
+    thread.start()
+    assert engine.join_weight_group("127.0.0.1", port, 1, 2, "gloo", 120)
+    t0 = time.perf_counter()
+    engine.receive_broadcast()
+    print(f"\nbroadcast sync ({sent.get('bytes', 0)} bytes): {time.perf_counter() - t0:.3f} s")
+    thread.join(timeout=120)
+    assert sent["bytes"] == sum(v.numel() * v.element_size() for v in trainable_state(new).values())
+    assert token_gap(engine, new) < TOLERANCE
+    engine.load_trainable_state_dict(trainable_state(base))
+
+
 def test_a_sync_whose_shapes_do_not_match_is_refused_naming_the_parameter(full_engine):
     engine, base = full_engine
     state = dict(trainable_state(base))
