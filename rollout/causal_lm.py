@@ -30,18 +30,24 @@ class CausalLMConfig(StrictModel):
     max_positions: int = Field(64, ge=8, description="longest prompt + completion")
 
 
-def build_causal_lm(cfg: CausalLMConfig, vocab_size: int, pad_id: int, eos_id: int) -> nn.Module:
-    """A randomly initialised LlamaForCausalLM of this size (float32, eager attention)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+def causal_lm_config(cfg: CausalLMConfig, vocab_size: int, pad_id: int, eos_id: int):
+    """The transformers `LlamaConfig` of the tiny model (float32, eager attention, untied head, no dropout)."""
+    from transformers import LlamaConfig
 
     if cfg.hidden_size % cfg.num_heads:
         raise ValueError(f"model.hidden_size={cfg.hidden_size} must be a multiple of num_heads={cfg.num_heads}")
-    config = LlamaConfig(
+    return LlamaConfig(
         vocab_size=vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
         num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_heads,
         max_position_embeddings=cfg.max_positions, pad_token_id=pad_id, eos_token_id=eos_id, bos_token_id=None,
         tie_word_embeddings=False, attention_dropout=0.0, attn_implementation="eager")
-    return LlamaForCausalLM(config)
+
+
+def build_causal_lm(cfg: CausalLMConfig, vocab_size: int, pad_id: int, eos_id: int) -> nn.Module:
+    """A randomly initialised LlamaForCausalLM of this size."""
+    from transformers import LlamaForCausalLM
+
+    return LlamaForCausalLM(causal_lm_config(cfg, vocab_size, pad_id, eos_id))
 
 
 # LoRA targets per model type (module-name suffixes): the attention and MLP projections of Llama-family blocks
@@ -49,8 +55,8 @@ DEFAULT_LORA_TARGETS = {model_type: ["q_proj", "k_proj", "v_proj", "o_proj", "ga
                         for model_type in ("llama", "qwen2", "qwen3", "mistral", "gemma", "gemma2", "gemma3")}
 
 
-def causal_lora_targets(net: nn.Module) -> list[str]:
-    """The default LoRA target modules of a causal LM, by its config's model type."""
+def causal_lora_targets(net) -> list[str]:
+    """The default LoRA target modules of a causal LM (or of its transformers config), by its model type."""
     return lora_targets_by_type(net, DEFAULT_LORA_TARGETS)
 
 

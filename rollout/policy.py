@@ -114,9 +114,10 @@ class LanguageModelPolicy(AdaptableNetwork):
         return self.net(input_ids, **kwargs)
 
 
-def lora_targets_by_type(net: nn.Module, table: dict[str, list[str]]) -> list[str]:
-    """The default LoRA target modules of a language model, by its config's model type (`table`)."""
-    model_type = getattr(getattr(net, "config", None), "model_type", None)
+def lora_targets_by_type(net: Any, table: dict[str, list[str]]) -> list[str]:
+    """The default LoRA target modules of a language model (or of its transformers config), by its model type
+    (`table`)."""
+    model_type = getattr(getattr(net, "config", net), "model_type", None)
     if model_type not in table:
         raise ValueError(f"no default LoRA targets for model type {model_type!r} (known: {', '.join(table)}): name "
                          "them with testbed.lora.target_modules")

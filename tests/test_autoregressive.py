@@ -182,3 +182,28 @@ def test_the_causal_lm_trains_on_every_arith_task_through_the_product_loop(task,
     if "testbed.task=file" in task:
         assert all(r["policy/grad_norm"] > 0 for r in rows)
     assert result.final_eval["n_samples"] == 8
+
+
+def test_a_causal_lm_by_path_with_its_own_tokenizer_trains_through_the_product_loop(tmp_path):
+    """testbed.pretrained: a local directory (save_pretrained: a Llama and a character-level tokenizer with its own
+    EOS and pad) loads by path, samples under its tokenizer's ids and takes a learner step."""
+    from tokenizers import Regex, Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from tests.helpers import train_local
+
+    specials = ["<pad>", "<unk>", "<eos>"]
+    vocab = {t: i for i, t in enumerate(specials + list("0123456789+=|"))}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Split(Regex("."), "isolated")
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", unk_token="<unk>",
+                                        eos_token="<eos>")
+    torch.manual_seed(0)
+    model = build_causal_lm(TINY, len(vocab), vocab["<pad>"], vocab["<eos>"])
+    model.save_pretrained(tmp_path / "model")
+    tokenizer.save_pretrained(tmp_path / "model")
+    result, rows = train_local(CONFIG_DIR / "arith-ar-grpo.yaml", tmp_path / "run",
+                               [f"testbed.pretrained={tmp_path / 'model'}", "run.steps=1", "run.eval_every=1",
+                                "testbed.eval_problems=4", "testbed.prompts_per_step=4"])
+    assert result.steps_done == 1 and rows[0]["policy/rollout_token_logp_absdiff_max"] < 1e-4
+    assert result.final_eval["n_samples"] == 4

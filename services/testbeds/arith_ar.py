@@ -90,13 +90,20 @@ class ArithARTestbed(ArithTestbed):
     def uses_vllm(self) -> bool:
         return self.cfg.sampler.backend == "vllm"
 
-    def _architectures(self) -> list[str] | None:
+    @cached_property
+    def hf_config(self):
+        """The model's transformers config, without its weights: the tiny Llama's, or the named model's."""
         a = self.settings
         if a.pretrained is None:
-            return ["LlamaForCausalLM"]
+            from steadyrl.rollout.arith import TOKENIZER
+            from steadyrl.rollout.causal_lm import causal_lm_config
+
+            config = causal_lm_config(a.model, len(TOKENIZER), TOKENIZER.pad_id, TOKENIZER.eos_id)
+            config.architectures = ["LlamaForCausalLM"]
+            return config
         from transformers import AutoConfig
 
-        return AutoConfig.from_pretrained(a.pretrained, trust_remote_code=a.trust_remote_code).architectures
+        return AutoConfig.from_pretrained(a.pretrained, trust_remote_code=a.trust_remote_code)
 
     def preflight(self) -> None:
         """As arith's, and for sampler.backend=vllm: vLLM is installed and implements the model's architecture."""
@@ -105,7 +112,7 @@ class ArithARTestbed(ArithTestbed):
             from steadyrl.rollout.vllm_engine import check_servable, require_vllm
 
             require_vllm()
-            check_servable(self._architectures(), self.settings.pretrained or "the tiny Llama")
+            check_servable(self.hf_config.architectures, self.settings.pretrained or "the tiny Llama")
 
     def _max_model_len(self) -> int:
         a = self.settings
@@ -124,13 +131,11 @@ class ArithARTestbed(ArithTestbed):
         from steadyrl.rollout.vllm_engine import VLLMEngine
 
         a = self.settings
-        if a.pretrained is not None:
+        if a.pretrained is not None:  # the engine loads the named model itself
             model = a.pretrained
         else:  # the tiny base as a checkpoint directory the engine reads
             net = self._base_network() if a.lora is not None else self._tiny_network(weights)
             model = str(write_hf_checkpoint(net, Path(tempfile.mkdtemp(prefix="steadyrl-vllm-model-"))))
-        targets = None
-        if a.lora is not None:
-            targets = a.lora.target_modules or self._default_lora_targets(self._base_network())
-        return VLLMEngine(model, self.cfg.sampler.vllm, self._max_model_len(), weights, self._architectures(),
+        targets = None if a.lora is None else a.lora.target_modules or self._default_lora_targets(self.hf_config)
+        return VLLMEngine(model, self.cfg.sampler.vllm, self._max_model_len(), weights, self.hf_config.architectures,
                           a.lora, targets, device=str(device))

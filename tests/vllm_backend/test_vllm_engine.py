@@ -152,3 +152,26 @@ def test_lora_adapters_sync_into_the_engine_as_a_new_adapter_per_version(tmp_pat
     engine.load_trainable_state_dict(adapters)
     print(f"\nLoRA sync ({sum(v.numel() for v in adapters.values())} parameters): {time.perf_counter() - t0:.3f} s")
     assert token_gap(engine, learner) < TOLERANCE
+
+
+def test_the_arith_ar_testbed_builds_an_engine_on_its_base_and_syncs_its_lora_adapters():
+    """testbed.lora with sampler.backend=vllm: the rollout worker's engine serves the tiny base with the learner's
+    adapters, and a trained step's adapters reach it."""
+    from safetensors.torch import load_file
+
+    from steadyrl.services.config import CONFIG_DIR, load_config
+    from steadyrl.services.testbeds import build_testbed
+
+    testbed = build_testbed(load_config(CONFIG_DIR / "arith-ar-vllm-grpo.yaml", ["testbed.lora.rank=8"]))
+    testbed.preflight()
+    weights = load_file(str(testbed.base_weights(progress=False)))
+    assert weights and all("lora_" in k for k in weights)  # only adapters travel
+    engine, learner = testbed.build_rollout_policy(weights, "cpu"), testbed.build_policy(weights)
+    assert token_gap(engine, learner) < TOLERANCE
+    with torch.no_grad():
+        for name, p in learner.net.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.5)
+    assert token_gap(engine, learner) > 0.05
+    engine.load_trainable_state_dict(trainable_state(learner))
+    assert token_gap(engine, learner) < TOLERANCE
