@@ -16,7 +16,7 @@ from pydantic import Field
 from torch import Tensor, nn
 
 from steadyrl.rollout.config import StrictModel
-from steadyrl.rollout.policy import load_tied_weights, lora_targets_by_type
+from steadyrl.rollout.policy import check_lm_family, load_tied_weights, lora_targets_by_type
 
 
 class CausalLMConfig(StrictModel):
@@ -75,6 +75,7 @@ def load_pretrained_causal_lm(name_or_path: str, trust_remote_code: bool = False
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
     config = AutoConfig.from_pretrained(name_or_path, trust_remote_code=trust_remote_code)
+    check_lm_family(config, name_or_path)
     if type(config) not in MODEL_FOR_CAUSAL_LM_MAPPING and not getattr(config, "auto_map", None):
         raise ValueError(f"testbed.pretrained={name_or_path!r} (model_type {config.model_type!r}) is not a causal LM "
                          "transformers implements (AutoModelForCausalLM)")

@@ -12,7 +12,7 @@ from pydantic import Field
 from torch import Tensor, nn
 
 from steadyrl.rollout.config import StrictModel
-from steadyrl.rollout.policy import load_tied_weights, lora_targets_by_type
+from steadyrl.rollout.policy import check_lm_family, load_tied_weights, lora_targets_by_type
 
 
 class MaskedLM(Protocol):
@@ -97,6 +97,7 @@ def resolve_pretrained_masked_lm(name_or_path: str, trust_remote_code: bool = Fa
         raise ValueError(f"model {name_or_path!r} ships its own modelling code (config.json `auto_map`, as LLaDA "
                          "does): loading it runs that code, so pass trust_remote_code=True if you trust "
                          "it") from err
+    check_lm_family(config, name_or_path)
     auto_map = getattr(config, "auto_map", None) or {}
     remote = [name for name in _REMOTE_AUTO_CLASSES if name in auto_map] if trust_remote_code else []
     if remote:

@@ -207,3 +207,19 @@ def test_a_causal_lm_by_path_with_its_own_tokenizer_trains_through_the_product_l
                                 "testbed.eval_problems=4", "testbed.prompts_per_step=4"])
     assert result.steps_done == 1 and rows[0]["policy/rollout_token_logp_absdiff_max"] < 1e-4
     assert result.final_eval["n_samples"] == 4
+
+
+@pytest.mark.parametrize("loader", ["causal", "masked"])
+def test_a_diffusiongemma_checkpoint_is_refused_by_name_with_the_reason(loader, tmp_path):
+    """DiffusionGemma (uniform-noise block diffusion) loads in transformers but neither sampler can train it: both
+    testbeds' loaders say so, naming the model, instead of failing later on a missing mask token or class."""
+    from transformers import DiffusionGemmaConfig
+
+    from steadyrl.rollout.causal_lm import load_pretrained_causal_lm
+    from steadyrl.rollout.masked_lm import resolve_pretrained_masked_lm
+
+    DiffusionGemmaConfig().save_pretrained(tmp_path)
+    load = load_pretrained_causal_lm if loader == "causal" else resolve_pretrained_masked_lm
+    with pytest.raises(ValueError, match=r"model_type 'diffusion_gemma'\) is not supported: DiffusionGemma is "
+                                         r"uniform-noise block diffusion"):
+        load(str(tmp_path))
