@@ -126,7 +126,8 @@ class VLLMEngineConfig(StrictModel):
 
     dtype: Literal["float32", "bfloat16", "float16"] = Field(
         "float32", description="the engine's weights and activations; float32 keeps its log-probs within the "
-        "stated tolerance of the learner's (bf16 engines are held only to the recompute, DESIGN of the ratio)")
+        "stated tolerance (1e-4 per token) of the learner's; a bf16 engine is held only to the learner's recompute, "
+        "which weighs its samples")
     gpu_memory_utilization: float = Field(0.5, gt=0, le=0.95, description="share of the GPU the engine may take "
                                           "(weights + KV cache); the rest stays for a colocated learner")
     cpu_kv_cache_gib: int = Field(1, ge=1, description="vLLM's CPU backend: KV-cache size in GiB "
