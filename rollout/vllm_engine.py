@@ -20,6 +20,7 @@ Log-probs are `processed_logprobs`: of softmax(logits / T), the behaviour policy
 from __future__ import annotations
 
 import os
+import shutil
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -156,8 +157,9 @@ class VLLMEngine:
     def __init__(self, model: str, cfg: VLLMEngineConfig, max_model_len: int, trainable: dict[str, Tensor],
                  architectures: list[str] | None, lora: LoRAConfig | None = None,
                  lora_targets: list[str] | None = None, device: str = "cpu"):
-        """`model`: a checkpoint directory or hub id the engine loads; `trainable`: the learner's trained tensors
-        (names, shapes and dtypes every sync must match; their values are loaded at once when `lora` is off)."""
+        """`model`: a checkpoint directory or hub id the engine loads, holding the base weights; `trainable`: the
+        learner's trained tensors at the start (names, shapes and dtypes every sync must match): with `lora` the
+        adapters, served at once; without, the full weights, which `model` already holds, so none is pushed."""
         require_vllm()
         check_servable(architectures, model)
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine lives in this process
@@ -169,13 +171,13 @@ class VLLMEngine:
             model=model, skip_tokenizer_init=True, dtype=cfg.dtype, enforce_eager=cfg.enforce_eager,
             max_model_len=max_model_len, seed=cfg.seed, max_num_seqs=cfg.max_num_seqs,
             logprobs_mode="processed_logprobs", worker_extension_cls=f"{__name__}.WeightReloadExtension")
+        if device != "cpu":
+            kwargs["gpu_memory_utilization"] = cfg.gpu_memory_utilization
         if lora is None:  # full weights can also arrive through the native weight-transfer API (broadcast)
             from vllm.config import WeightTransferConfig
 
             kwargs["weight_transfer_config"] = WeightTransferConfig(backend=register_broadcast_transfer())
-        if device != "cpu":
-            kwargs["gpu_memory_utilization"] = cfg.gpu_memory_utilization
-        if lora is not None:
+        else:
             ranks = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # the max_lora_rank values vLLM accepts
             kwargs.update(enable_lora=True, max_lora_rank=next((r for r in ranks if r >= lora.rank), lora.rank),
                           max_loras=1)
@@ -185,7 +187,8 @@ class VLLMEngine:
         self.lora_request = None
         self.loads = 0
         self.adapter_dir = Path(tempfile.mkdtemp(prefix="steadyrl-vllm-lora-"))
-        self.load_trainable_state_dict(trainable)
+        if lora is not None:
+            self.load_trainable_state_dict(trainable)
 
     def trainable_state_dict(self) -> dict[str, Tensor]:
         """Storage-free (meta) tensors shaped and typed as the trained ones: what a weight broadcast fills."""
@@ -212,8 +215,9 @@ class VLLMEngine:
         path = write_peft_adapter(state, self.lora.rank, self.lora.alpha, self.lora_targets,
                                   self.adapter_dir / f"v{self.loads}")
         previous, self.lora_request = self.lora_request, LoRARequest(f"policy-{self.loads}", self.loads, str(path))
-        if previous is not None:
+        if previous is not None:  # unloaded, and its directory removed: a long run keeps one adapter on disk
             self.llm.llm_engine.remove_lora(previous.lora_int_id)
+            shutil.rmtree(previous.lora_path, ignore_errors=True)
 
     # ------------------------------------------------------------------ the learner's broadcast
     def join_weight_group(self, master_addr: str, master_port: int, rank: int, size: int, backend: str,

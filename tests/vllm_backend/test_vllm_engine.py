@@ -152,6 +152,7 @@ def test_lora_adapters_sync_into_the_engine_as_a_new_adapter_per_version(tmp_pat
     engine.load_trainable_state_dict(adapters)
     print(f"\nLoRA sync ({sum(v.numel() for v in adapters.values())} parameters): {time.perf_counter() - t0:.3f} s")
     assert token_gap(engine, learner) < TOLERANCE
+    assert [p.name for p in engine.adapter_dir.iterdir()] == ["v2"]  # the replaced adapter's files are gone
 
 
 def test_the_arith_ar_testbed_builds_an_engine_on_its_base_and_syncs_its_lora_adapters():
