@@ -12,6 +12,7 @@ COND_PREFIX = "cond."  # extras holding the model's conditioning (text embedding
 POLICY_VERSION = "policy_version"  # extras: [B] updates the sampling (behaviour) policy had had (async rollouts)
 BEHAVIOUR_TOKEN_LOGP = "behaviour_token_logp"  # extras [B, L]: a language model's per-token log-probs as sampled
 BEHAVIOUR_ENGINE = "behaviour_engine"  # extras [B] bool: sampled by an inference engine with numerics of its own
+COMMIT_LOGP = "commit_logp"  # extras [B, L]: block diffusion's confidence in each committed token (not a likelihood)
 
 
 def cond_extras(inputs: dict[str, Tensor]) -> dict[str, Tensor]:

@@ -160,6 +160,56 @@ class AutoregressiveSamplerConfig(SamplerBase):
     vllm: VLLMEngineConfig = Field(default_factory=VLLMEngineConfig, description="backend=vllm: the engine")
 
 
+class BlockDiffusionSamplerConfig(SamplerBase):
+    """Uniform-noise block diffusion (DiffusionGemma): the completion is generated block by block, each block a canvas
+    of random tokens refined by entropy-bound acceptance until it is stable and confident, then committed as its
+    argmax (rollout/block_diffusion.py). A training "step" is one Monte-Carlo noise draw of the likelihood estimator.
+    `backend` picks who generates: `transformers` (this process) or `vllm` (an engine in the rollout worker; GPU
+    only in vLLM 0.32); the learner computes every likelihood itself either way."""
+
+    kind: Literal["block_diffusion"] = "block_diffusion"
+    prediction: ClassVar[str] = "tokens"
+    backend: Literal["transformers", "vllm"] = Field(
+        "transformers", description="transformers: steadyrl's own sampler, always installed; vllm: the `vllm` extra's "
+        "DiffusionGemma engine in the rollout worker (vLLM samples diffusion models only on GPUs)")
+    gen_length: int = Field(4, ge=1, description="completion tokens: a whole number of canvases")
+    canvas_length: int | None = Field(None, ge=1, description="tokens per block (canvas); None = gen_length")
+    num_steps: int = Field(8, ge=1, le=4096, description="most denoising steps per block (DiffusionGemma's "
+                           "max_denoising_steps; a block stops earlier once stable and confident)")
+    t_min: float = Field(0.4, gt=0, description="temperature at the last step (linear schedule t_max -> t_min)")
+    t_max: float = Field(0.8, gt=0, description="temperature at the first step")
+    entropy_bound: float = Field(0.1, gt=0, description="accept the lowest-entropy positions while "
+                                 "sum(H) - max(H) <= bound (an upper bound on their mutual information)")
+    confidence_threshold: float = Field(0.005, gt=0, description="a block is confident when its mean entropy is "
+                                        "below this")
+    stability_threshold: int = Field(1, ge=0, description="steps the argmax canvas must stay unchanged")
+    mc_samples: int = Field(2, ge=1, le=256, description="n Monte-Carlo noise draws per sequence")
+    masks: Literal["shared", "independent"] = Field(
+        "shared", description="shared: old, new and reference policy see the rollout's noise draws (on policy the "
+        "ratio is then exactly 1); independent: every likelihood evaluation draws its own")
+    self_conditioning: bool = Field(
+        True, description="score each noise draw as the sampler denoises from its second step on: conditioned on the "
+        "model's own no-grad first guess at the same canvas (two forward passes; the gradient flows through the "
+        "second); false: one pass without self-conditioning (the sampler's first step)")
+    logp_reduce: Literal["mean", "sum"] = Field(
+        "mean", description="sum: the estimate of log pi(y|x); mean: divided by the completion's length up to EOS")
+    group_size: int = Field(8, ge=2, description="completions per prompt: one GRPO group")
+    vllm: VLLMEngineConfig = Field(default_factory=VLLMEngineConfig, description="backend=vllm: the engine")
+
+    @property
+    def block(self) -> int:
+        return self.canvas_length or self.gen_length
+
+    @model_validator(mode="after")
+    def _blocks(self) -> "BlockDiffusionSamplerConfig":
+        if self.gen_length % self.block:
+            raise ValueError(f"sampler.gen_length={self.gen_length} must be a multiple of sampler.canvas_length="
+                             f"{self.block} (vLLM emits whole canvases)")
+        if self.t_min > self.t_max:
+            raise ValueError(f"sampler.t_min={self.t_min} must not exceed sampler.t_max={self.t_max}")
+        return self
+
+
 DEFAULT_SAMPLER_KIND = "ddim"
 
 
@@ -172,6 +222,7 @@ def _sampler_kind(value: Any) -> str:
 SamplerConfig = Annotated[
     Union[Annotated[DDIMSamplerConfig, Tag("ddim")], Annotated[FlowSDESamplerConfig, Tag("flow_sde")],
           Annotated[MaskedDiffusionSamplerConfig, Tag("masked_diffusion")],
-          Annotated[AutoregressiveSamplerConfig, Tag("autoregressive")]],
+          Annotated[AutoregressiveSamplerConfig, Tag("autoregressive")],
+          Annotated[BlockDiffusionSamplerConfig, Tag("block_diffusion")]],
     Discriminator(_sampler_kind),
 ]

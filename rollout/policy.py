@@ -114,16 +114,16 @@ class LanguageModelPolicy(AdaptableNetwork):
         return self.net(input_ids, **kwargs)
 
 
-# language-model families transformers implements that no steadyrl sampler can train yet, and why
+# language-model families the masked-diffusion and autoregressive loaders refuse, and where they train instead
 UNSUPPORTED_LM_FAMILIES = {
     "diffusion_gemma": "DiffusionGemma is uniform-noise block diffusion (no mask token: a block starts as random "
-                       "tokens and is re-noised with random tokens), whose likelihood needs an estimator steadyrl does "
-                       "not have yet; vLLM 0.32 samples it only on GPUs (its V2 model runner)",
+                       "tokens and is re-noised with random tokens): train it with testbed.name=arith_bd and "
+                       "sampler.kind=block_diffusion",
 }
 
 
 def check_lm_family(config: Any, name: str) -> None:
-    """Refuse, naming the model and the reason, a language-model family no sampler here can train."""
+    """Refuse, naming the model and the reason, a language-model family this loader's sampler cannot train."""
     reason = UNSUPPORTED_LM_FAMILIES.get(getattr(config, "model_type", None))
     if reason is not None:
         raise ValueError(f"testbed.pretrained={name!r} (model_type {config.model_type!r}) is not supported: {reason}")

@@ -156,12 +156,15 @@ class VLLMEngine:
 
     def __init__(self, model: str, cfg: VLLMEngineConfig, max_model_len: int, trainable: dict[str, Tensor],
                  architectures: list[str] | None, lora: LoRAConfig | None = None,
-                 lora_targets: list[str] | None = None, device: str = "cpu"):
+                 lora_targets: list[str] | None = None, device: str = "cpu", engine_kwargs: dict | None = None):
         """`model`: a checkpoint directory or hub id the engine loads, holding the base weights; `trainable`: the
         learner's trained tensors at the start (names, shapes and dtypes every sync must match): with `lora` the
-        adapters, served at once; without, the full weights, which `model` already holds, so none is pushed."""
+        adapters, served at once; without, the full weights, which `model` already holds, so none is pushed.
+        `architectures`: checked against vLLM's text generators first (None: the caller checked the model);
+        `engine_kwargs`: further `vllm.LLM` arguments (a diffusion model's `diffusion_config`)."""
         require_vllm()
-        check_servable(architectures, model)
+        if architectures is not None:
+            check_servable(architectures, model)
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine lives in this process
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(cfg.cpu_kv_cache_gib))
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")  # share the cores with the other actors
@@ -171,6 +174,7 @@ class VLLMEngine:
             model=model, skip_tokenizer_init=True, dtype=cfg.dtype, enforce_eager=cfg.enforce_eager,
             max_model_len=max_model_len, seed=cfg.seed, max_num_seqs=cfg.max_num_seqs,
             logprobs_mode="processed_logprobs", worker_extension_cls=f"{__name__}.WeightReloadExtension")
+        kwargs.update(engine_kwargs or {})
         if device != "cpu":
             kwargs["gpu_memory_utilization"] = cfg.gpu_memory_utilization
         if lora is None:  # full weights can also arrive through the native weight-transfer API (broadcast)
@@ -247,20 +251,27 @@ class VLLMEngine:
         """Completions of left-padded prompts (padding stripped: the engine sees each prompt alone) with the
         engine's per-token log-probs; each row is seeded from `generator`, so a step's samples replay."""
         from vllm import SamplingParams
+
+        seeds = torch.randint(2**31 - 1, (len(prompts),), generator=generator).tolist()
+        params = [SamplingParams(temperature=temperature, max_tokens=max_tokens, logprobs=0, seed=s,
+                                 stop_token_ids=[eos_id], detokenize=False) for s in seeds]
+        return self.run(prompts, attention, params, max_tokens, pad_id)
+
+    def run(self, prompts: Tensor, attention: Tensor | None, params, width: int, pad_id: int) -> Generated:
+        """One `generate` call over left-padded prompts (padding stripped: the engine sees each prompt alone) with
+        `params` (one SamplingParams, or one per row): tokens [B, width] (pad after each completion) and the log-prob
+        vLLM returns for each token."""
         from vllm.inputs import TokensPrompt
 
         B = len(prompts)
-        seeds = torch.randint(2**31 - 1, (B,), generator=generator).tolist()
         rows = [p[a].tolist() for p, a in zip(prompts, attention)] if attention is not None else prompts.tolist()
-        params = [SamplingParams(temperature=temperature, max_tokens=max_tokens, logprobs=0, seed=s,
-                                 stop_token_ids=[eos_id], detokenize=False) for s in seeds]
         outs = self.llm.generate([TokensPrompt(prompt_token_ids=r) for r in rows], params, use_tqdm=False,
                                  lora_request=self.lora_request)
-        tokens = torch.full((B, max_tokens), pad_id, dtype=torch.long)
-        logps = torch.zeros(B, max_tokens)
+        tokens = torch.full((B, width), pad_id, dtype=torch.long)
+        logps = torch.zeros(B, width)
         for i, out in enumerate(outs):
             completion = out.outputs[0]
-            ids = list(completion.token_ids)[:max_tokens]
+            ids = list(completion.token_ids)[:width]
             tokens[i, :len(ids)] = torch.tensor(ids, dtype=torch.long)
             logps[i, :len(ids)] = torch.tensor([lp[t].logprob for t, lp in zip(ids, completion.logprobs)])
         return Generated(tokens, logps)

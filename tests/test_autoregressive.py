@@ -211,8 +211,9 @@ def test_a_causal_lm_by_path_with_its_own_tokenizer_trains_through_the_product_l
 
 @pytest.mark.parametrize("loader", ["causal", "masked"])
 def test_a_diffusiongemma_checkpoint_is_refused_by_name_with_the_reason(loader, tmp_path):
-    """DiffusionGemma (uniform-noise block diffusion) loads in transformers but neither sampler can train it: both
-    testbeds' loaders say so, naming the model, instead of failing later on a missing mask token or class."""
+    """DiffusionGemma (uniform-noise block diffusion) loads in transformers but neither of these samplers can train
+    it: both testbeds' loaders say so, naming the model and the testbed that does (arith_bd), instead of failing
+    later on a missing mask token or class."""
     from transformers import DiffusionGemmaConfig
 
     from steadyrl.rollout.causal_lm import load_pretrained_causal_lm
@@ -221,5 +222,5 @@ def test_a_diffusiongemma_checkpoint_is_refused_by_name_with_the_reason(loader, 
     DiffusionGemmaConfig().save_pretrained(tmp_path)
     load = load_pretrained_causal_lm if loader == "causal" else resolve_pretrained_masked_lm
     with pytest.raises(ValueError, match=r"model_type 'diffusion_gemma'\) is not supported: DiffusionGemma is "
-                                         r"uniform-noise block diffusion"):
+                                         r"uniform-noise block diffusion.*testbed.name=arith_bd"):
         load(str(tmp_path))

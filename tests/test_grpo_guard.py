@@ -266,7 +266,7 @@ def test_svd_regulator_threshold_survives_a_state_dict_checkpoint(tmp_path):
     b.load_state_dict(torch.load(tmp_path / "state.pt", weights_only=True))
     assert torch.equal(a.state["tau"], b.state["tau"])
     grad = 3.0 * torch.randn(4, 16, generator=g)
-    (oa, ma), (ob, mb) = a.regulate(grad), b.regulate(grad)
+    (oa, ma), (ob, _) = a.regulate(grad), b.regulate(grad)
     assert torch.equal(oa, ob) and torch.equal(a.state["tau"], b.state["tau"])
     assert float(ma["guard/scaled"]) == 1.0  # the restored threshold is what scaled it
 

@@ -1,6 +1,5 @@
-"""Every pre-trained artefact (the digits UNets, the reward classifiers, the arith masked LM and
-causal LM) comes out bitwise
-the same whatever the thread count of the process that builds it: the cache a fresh machine fills is the cache
+"""Every pre-trained artefact (the digits UNets, the reward classifiers, the arith masked LM, causal LM and
+block-diffusion LM) comes out bitwise the same whatever the thread count of the process that builds it: the cache a fresh machine fills is the cache
 every other machine has."""
 from __future__ import annotations
 
@@ -28,6 +27,8 @@ from steadyrl.trainer.pretrain import PretrainConfig, pretrain_unet
 from steadyrl.trainer.pretrain_masked_lm import MaskedLMPretrainConfig, pretrain_masked_lm
 from steadyrl.rollout.causal_lm import CausalLMConfig
 from steadyrl.trainer.pretrain_causal_lm import CausalLMPretrainConfig, pretrain_causal_lm
+from steadyrl.rollout.block_diffusion_lm import BlockDiffusionLMConfig
+from steadyrl.trainer.pretrain_block_diffusion import BlockDiffusionPretrainConfig, pretrain_block_diffusion_lm
 
 def digest(model):
     h = hashlib.sha256()
@@ -46,6 +47,9 @@ out = {
                                            progress=False)[0]),
     "causal_lm": digest(pretrain_causal_lm(ArithTask(), CausalLMConfig(), CausalLMPretrainConfig(iterations=10),
                                            progress=False)[0]),
+    "block_diffusion_lm": digest(pretrain_block_diffusion_lm(ArithTask(), BlockDiffusionLMConfig(), 4,
+                                                             BlockDiffusionPretrainConfig(iterations=6),
+                                                             progress=False)[0]),
     "threads_after": torch.get_num_threads(),
 }
 print(json.dumps(out))

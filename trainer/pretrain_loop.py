@@ -13,10 +13,10 @@ from steadyrl.rollout.arith import ArithTask
 
 def fit_on_problems(model: nn.Module, task: ArithTask, loss_fn: Callable[[nn.Module, Tensor, Tensor], Tensor], *,
                     iterations: int, batch_size: int, lr: float, problem_seed: int, title: str,
-                    progress: bool = True) -> list[float]:
+                    progress: bool = True, params: list[nn.Parameter] | None = None) -> list[float]:
     """Train `model` in place on `task`'s problems (batch `it` = problems it*B .. (it+1)*B - 1 of `problem_seed`),
-    `loss_fn(model, prompts, completions)` per batch; returns the losses."""
-    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    `loss_fn(model, prompts, completions)` per batch; returns the losses. `params`: what trains (default: all)."""
+    opt = torch.optim.AdamW(model.parameters() if params is None else params, lr=lr)
     losses: list[float] = []
     with Progress(TextColumn(f"[bold]{title}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
                   TextColumn("loss {task.fields[loss]:.4f}"), TimeElapsedColumn(), disable=not progress) as bar:

@@ -92,7 +92,8 @@ def recorded_noise(sampler, policy: nn.Module, mb: RolloutBatch, backprop_steps:
 
 class RecomputeAlarm:
     """max |recomputed - rollout| old log-prob over the trained steps of samples from the current policy (a
-    lagged sample's gap is its lag, not an alarm); above `threshold` the weights or numerics are off."""
+    lagged sample's gap is its lag, not an alarm; a sample without rollout log-probs, NaN, has none); above
+    `threshold` the weights or numerics are off."""
 
     def __init__(self, threshold: float):
         self.threshold = threshold
@@ -103,6 +104,9 @@ class RecomputeAlarm:
         if not current.any():
             return
         lp, rows = old.logp, current.to(old.logp.device)
+        rows = rows & mb.old_logp.isfinite().all(dim=1).to(rows.device)  # an engine without likelihoods gives NaN
+        if not rows.any():
+            return
         self.gaps.append((lp[:, steps] - mb.old_logp[:, steps])[rows].abs().max())
         sampled = mb.extras.get(BEHAVIOUR_TOKEN_LOGP)  # [b, L], 0 at unscored positions (as the recompute's)
         if sampled is not None and old.token_logp is not None:

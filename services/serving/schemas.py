@@ -174,6 +174,12 @@ class ArithARRequest(ArithRequest):
     kind: Literal["arith_ar"] = "arith_ar"
 
 
+class ArithBDRequest(ArithRequest):
+    """Prompt/completion pairs of the arith_bd testbed (a block-diffusion LM on the arith tasks), as for arith."""
+
+    kind: Literal["arith_bd"] = "arith_bd"
+
+
 class TextToImageRequest(StrictBody):
     """Text-to-image samples (POST /v1/score of a text-to-image app): PNGs, all of one size, and their prompts,
     scored as images [B,3,H,W] in [-1, 1]."""
@@ -267,7 +273,8 @@ class RestProfile:
     legacy_request: type[StrictBody] | None = None
 
 
-AnyScoreRequest = Annotated[Union[DigitsRequest, ArithRequest, ArithARRequest, TextToImageRequest],
+AnyScoreRequest = Annotated[Union[DigitsRequest, ArithRequest, ArithARRequest, ArithBDRequest,
+                                  TextToImageRequest],
                             Field(discriminator="kind")]
 """The v1 body of any testbed, tagged by `kind` (each app accepts, and publishes, its own testbed's)."""
 

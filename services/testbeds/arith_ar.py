@@ -109,10 +109,14 @@ class ArithARTestbed(ArithTestbed):
         """As arith's, and for sampler.backend=vllm: vLLM is installed and implements the model's architecture."""
         super().preflight()
         if self.uses_vllm:
-            from steadyrl.rollout.vllm_engine import check_servable, require_vllm
+            self._check_engine()
 
-            require_vllm()
-            check_servable(self.hf_config.architectures, self.settings.pretrained or "the tiny Llama")
+    def _check_engine(self) -> None:
+        """vLLM is installed and implements the model's architecture."""
+        from steadyrl.rollout.vllm_engine import check_servable, require_vllm
+
+        require_vllm()
+        check_servable(self.hf_config.architectures, self.settings.pretrained or "the tiny Llama")
 
     def _max_model_len(self) -> int:
         a = self.settings
@@ -125,6 +129,10 @@ class ArithARTestbed(ArithTestbed):
         weights, or the adapters)."""
         if not self.uses_vllm:
             return super().build_rollout_policy(weights, device)
+        return self._engine(weights, device)
+
+    def _engine(self, weights: dict[str, Tensor], device) -> nn.Module:
+        """The vLLM engine over the base model, holding `weights`."""
         import tempfile
 
         from steadyrl.rollout.causal_lm import write_hf_checkpoint

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from steadyrl.services.testbeds.arith import ArithTestbed
 from steadyrl.services.testbeds.arith_ar import ArithARTestbed
+from steadyrl.services.testbeds.arith_bd import ArithBDTestbed
 from steadyrl.services.testbeds.base import Testbed
 from steadyrl.services.testbeds.digits import DigitsTestbed
 from steadyrl.services.testbeds.settings import TestbedSettings
@@ -12,6 +13,7 @@ TESTBEDS: dict[str, type[Testbed]] = {t.name: t for t in (
     DigitsTestbed,
     ArithTestbed,
     ArithARTestbed,
+    ArithBDTestbed,
     TextToImageTestbed,
 )}
 TESTBED_SETTINGS: dict[str, type[TestbedSettings]] = {name: t.Settings for name, t in TESTBEDS.items()}
