@@ -52,7 +52,8 @@ def block_diffusion_lm_config(cfg: BlockDiffusionLMConfig, vocab_size: int, pad_
     text = dict(vocab_size=vocab, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
                 num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads, num_key_value_heads=1,
                 head_dim=cfg.head_dim, global_head_dim=cfg.head_dim, num_global_key_value_heads=1,
-                sliding_window=cfg.sliding_window, layer_types=["sliding_attention"] * (cfg.num_layers - 1) + ["full_attention"],
+                sliding_window=cfg.sliding_window,
+                layer_types=["sliding_attention"] * (cfg.num_layers - 1) + ["full_attention"],
                 num_experts=cfg.num_experts, top_k_experts=1, moe_intermediate_size=cfg.intermediate_size // 4,
                 max_position_embeddings=cfg.max_positions, pad_token_id=pad_id, eos_token_id=eos_id,
                 bos_token_id=None, experts_implementation="eager")

@@ -49,7 +49,8 @@ def test_the_checkpoint_holds_every_generation_setting_vllms_diffusiongemma_samp
     assert {"t_min", "t_max", "confidence_threshold", "stability_threshold"} <= required
     written = json.loads((path / "generation_config.json").read_text())
     assert required <= set(written)
-    assert "EntropyBound" in written["sampler_config"]["_cls_name"] and written["sampler_config"]["entropy_bound"] == 0.2
+    sampler_config = written["sampler_config"]
+    assert "EntropyBound" in sampler_config["_cls_name"] and sampler_config["entropy_bound"] == 0.2
     assert (written["t_min"], written["t_max"], written["max_denoising_steps"]) == (CFG.t_min, CFG.t_max, 6)
 
 
