@@ -187,7 +187,8 @@ class TrainConfig(StrictModel):
         "masked-diffusion LM and a verifier; sampler.kind=masked_diffusion), arith_ar (the same tasks for a causal "
         "LM; sampler.kind=autoregressive, backend transformers or vllm), arith_bd (the same tasks for a "
         "block-diffusion LM, DiffusionGemma; sampler.kind=block_diffusion, backend transformers or vllm), "
-        "text_to_image (a diffusers pipeline, prompts, image rewards). `testbed: arith` is short for `testbed: {name: arith}`")
+        "text_to_image (a diffusers pipeline, prompts, image rewards). `testbed: arith` is short for "
+        "`testbed: {name: arith}`")
     run: RunConfig = Field(default_factory=RunConfig)
     sampler: SamplerConfig = Field(default_factory=DDIMSamplerConfig)
     objective: ObjectiveConfig = Field(default_factory=GRPOSettings)
