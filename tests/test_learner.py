@@ -76,3 +76,45 @@ def test_save_and_load_restore_weights_optimiser_and_rng(learner, tmp_path):
     assert torch.equal(learner.generator.get_state(), gen_state)
     restored = learner.engine.optimizer.state_dict()["state"][0]
     assert all(torch.equal(opt_state[k], restored[k]) for k in opt_state)
+
+
+def test_the_health_panel_reports_reward_and_advantage_quantiles_and_silent_groups(learner):
+    """health/*: each reward model's p10/p50/p90 and the advantages' quantiles and std equal numpy's on the batch;
+    the zero-std fraction counts the groups whose rewards are all equal (here every other class)."""
+    import numpy as np
+
+    def reward(x):  # groups of classes 0 and 2 all score 1: no signal there
+        r = x.mean(dim=(1, 2, 3)).clone()
+        r[:6], r[12:18] = 1.0, 1.0
+        return r
+
+    batch = scored_batch(learner, reward)
+    m = learner.update(batch)
+    r = batch.rewards[:, 0].double().numpy()
+    for q in (10, 50, 90):
+        assert m[f"health/reward_r_p{q}"] == pytest.approx(float(np.quantile(r, q / 100)), rel=1e-9)
+    adv, _ = learner.objective.prepare_batch(batch)
+    a = adv.advantages.double().numpy()
+    assert m["health/adv_p50"] == pytest.approx(float(np.quantile(a, 0.5)), abs=1e-9)
+    assert m["health/adv_std"] == pytest.approx(float(a.std()), rel=1e-6)
+    assert m["health/zero_std_group_frac"] == 0.5 and m["health/nonfinite_adv_dropped"] == 0.0
+    # per top-level module of the UNet, the gradient norms; together they make up the total one
+    groups = {k: v for k, v in m.items() if k.startswith("health/grad_norm_")}
+    assert {"health/grad_norm_down_blocks", "health/grad_norm_up_blocks", "health/grad_norm_mid_block"} <= set(groups)
+    assert sum(v ** 2 for v in groups.values()) ** 0.5 == pytest.approx(m["policy/grad_norm"], rel=0.3)
+
+
+def test_samples_whose_advantage_overflows_are_dropped_and_counted_and_the_rest_train(learner):
+    """Finite rewards of +-3e38 overflow a group's mean and std: its advantages are NaN. The learner drops that
+    group's samples, counts them, and still takes its optimiser steps on the other groups."""
+    def reward(x):
+        r = x.mean(dim=(1, 2, 3)).clone()
+        r[:6] = torch.tensor([3e38, 3e38, -3e38, 3e38, -3e38, 3e38])
+        return r
+
+    before = learner.weights()
+    m = learner.update(scored_batch(learner, reward))
+    assert m["health/nonfinite_adv_dropped"] == 6.0 and m["policy/samples"] == 18.0
+    after = learner.weights()
+    assert all(torch.isfinite(v).all() for v in after.values())
+    assert any(not torch.equal(before[k], after[k]) for k in before)

@@ -37,6 +37,8 @@ from steadyrl.trainer.context import DifferentiableReward, UpdateContext
 from steadyrl.trainer.deepspeed_config import communication_backend, deepspeed_config
 from steadyrl.trainer.distributed import (gather_pieces, group_shares, micro_batch_count, reduce_metrics, split_into,
                                           world)
+from steadyrl.trainer.health import (advantage_panel, drop_nonfinite_advantages, group_grad_norms, mean_group_norms,
+                                     reward_panel, zero_std_group_fraction)
 from steadyrl.trainer.objectives import Objective
 from steadyrl.trainer.off_policy import check_staleness, staleness
 from steadyrl.trainer.recompute import OldPolicy, recompute_old
@@ -108,6 +110,7 @@ class DeepSpeedLearner:
         self.generator = torch.Generator().manual_seed(seed + self.rank)  # rank 0 draws as a 1-rank learner
         self.updates = 0
         self._pre_clip_norm: float | None = None
+        self._group_norms: list[dict[str, float]] = []  # per optimiser step of the current update (health panel)
         self._module_scales: dict[str, float] = {}
 
     @property
@@ -163,6 +166,14 @@ class DeepSpeedLearner:
         lag = staleness(batch, self.updates)
         check_staleness(lag, self.cfg.max_staleness)
         batch, metrics = self.objective.prepare_batch(batch)  # on the whole batch, identically on every rank
+        batch, nonfinite_adv = drop_nonfinite_advantages(batch)
+        if nonfinite_adv:
+            log.warning("dropping %d samples with non-finite advantages", nonfinite_adv)
+        if len(batch) == 0:
+            raise ValueError("no sample in the batch has a finite advantage")
+        metrics.update({**reward_panel(batch), **advantage_panel(batch.advantages),
+                        "health/zero_std_group_frac": zero_std_group_fraction(batch.train_reward(), batch.group),
+                        "health/nonfinite_adv_dropped": float(nonfinite_adv)})
         if self.cfg.max_staleness > 0:
             metrics["async/staleness_max"] = float(lag.max())
         if self.advantage_clipper is not None and batch.advantages is not None:
@@ -179,6 +190,7 @@ class DeepSpeedLearner:
         groups = [list(range(i, min(i + k, len(micro)))) for i in range(0, len(micro), k)]
         sums = MetricSums()
         grad_norms: list[float] = []
+        self._group_norms = []
         self.engine.train()
         for _ in range(self.cfg.inner_epochs):
             for group in groups:
@@ -193,6 +205,7 @@ class DeepSpeedLearner:
         metrics.update(self.objective.after_update(self, metrics))
         metrics.update({
             "policy/grad_norm": sum(grad_norms) / max(1, len(grad_norms)),
+            **mean_group_norms(self._group_norms),
             "policy/adv_abs_mean": float(batch.advantages.abs().mean()) if batch.advantages is not None else 0.0,
             "policy/optimizer_steps": float(len(groups) * self.cfg.inner_epochs),
             "reward/nonfinite_skipped": float(skipped),
@@ -238,6 +251,7 @@ class DeepSpeedLearner:
         self.engine.backward(loss * self.world_size if self.world_size > 1 else loss, scale_wrt_gas=False)
         if last:
             self._pre_clip_norm = self._grad_norm()
+            self._group_norms.append(group_grad_norms(self.network))
             if self.cfg.balanced.module_grad_scaling:  # after the accumulation boundary, before clip and step
                 scales = scale_module_gradients(self.network, self.cfg.balanced.scaling_depth,
                                                 self.cfg.balanced.scaling_eps)
