@@ -82,3 +82,16 @@ def test_a_testbed_and_sampler_that_do_not_fit_are_refused_by_name(overrides, fi
     with pytest.raises(ConfigError) as err:
         load_config(DEFAULT_CONFIG, overrides)
     assert field in str(err.value)
+
+
+def test_a_cosine_lr_schedule_spans_the_run_unless_told_otherwise_and_a_warmup_must_end_before_it():
+    from steadyrl.services.config import CONFIG_DIR, load_config
+
+    cfg = load_config(CONFIG_DIR / "smoke.yaml", ["learner.lr_schedule.kind=cosine", "run.steps=12"])
+    assert cfg.learner.lr_schedule.total_updates == 12
+    fixed = load_config(CONFIG_DIR / "smoke.yaml", ["learner.lr_schedule.kind=cosine",
+                                                    "learner.lr_schedule.total_updates=5"])
+    assert fixed.learner.lr_schedule.total_updates == 5
+    with pytest.raises(ValueError, match=r"learner.lr_schedule.warmup_updates=12 must be less than run.steps=12"):
+        load_config(CONFIG_DIR / "smoke.yaml", ["learner.lr_schedule.kind=cosine", "run.steps=12",
+                                                "learner.lr_schedule.warmup_updates=12"])

@@ -7,6 +7,7 @@ from pydantic import Discriminator, Field, Tag, model_validator
 
 from steadyrl.rollout.config import StrictModel
 from steadyrl.trainer.balanced_gradient import BalancedGradientConfig
+from steadyrl.trainer.lr_schedule import LRScheduleConfig
 from steadyrl.trainer.objectives import settings_types
 
 
@@ -30,6 +31,8 @@ class LearnerConfig(StrictModel):
     """DeepSpeed engine settings; ZeRO stage from config, gloo on CPU, NCCL on GPU."""
 
     lr: float = Field(1e-4, gt=0)
+    lr_schedule: LRScheduleConfig = Field(default_factory=LRScheduleConfig,
+                                          description="warm-up and decay of lr over the run's updates")
     betas: tuple[float, float] = (0.9, 0.999)
     weight_decay: float = Field(0.0, ge=0)
     grad_clip: float = Field(1.0, gt=0)

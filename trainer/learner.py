@@ -39,6 +39,7 @@ from steadyrl.trainer.distributed import (gather_pieces, group_shares, micro_bat
                                           world)
 from steadyrl.trainer.health import (advantage_panel, drop_nonfinite_advantages, group_grad_norms, mean_group_norms,
                                      reward_panel, zero_std_group_fraction)
+from steadyrl.trainer.lr_schedule import lr_factor
 from steadyrl.trainer.objectives import Objective
 from steadyrl.trainer.off_policy import check_staleness, staleness
 from steadyrl.trainer.recompute import OldPolicy, recompute_old
@@ -163,6 +164,7 @@ class DeepSpeedLearner:
             batch = batch.index(torch.nonzero(finite).flatten())
         if len(batch) == 0:
             raise ValueError("no sample in the batch has a finite reward")
+        self._set_lr()
         lag = staleness(batch, self.updates)
         check_staleness(lag, self.cfg.max_staleness)
         batch, metrics = self.objective.prepare_batch(batch)  # on the whole batch, identically on every rank
@@ -217,6 +219,12 @@ class DeepSpeedLearner:
             metrics["balanced/module_scale_max"] = max(self._module_scales.values())
             metrics["balanced/module_scale_min"] = min(self._module_scales.values())
         return metrics
+
+    def _set_lr(self) -> None:
+        """This update's learning rate from the schedule (trainer/lr_schedule.py) and the update count."""
+        lr = self.cfg.lr * lr_factor(self.cfg.lr_schedule, self.updates)
+        for group in self.engine.optimizer.param_groups:
+            group["lr"] = lr
 
     def _recompute_old(self, micro: list[RolloutBatch]) -> tuple[list[OldPolicy], dict[str, float]]:
         """The no-grad pre-pass over the update's micro-batches (trainer/recompute.py) and its metrics."""
