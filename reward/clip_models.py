@@ -21,6 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from steadyrl.reward.prompt_text import normalize_prompt
+
 CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 DType = Literal["float32", "float16", "bfloat16"]
@@ -175,10 +177,11 @@ class ClipReward(ABC):
 
     needs_prompts = True
 
-    def __init__(self, clip: ClipBackbone, name: str, max_batch: int = 32):
+    def __init__(self, clip: ClipBackbone, name: str, max_batch: int = 32, normalize_prompts: bool = False):
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
         self.clip, self.name, self.max_batch = clip, name, max_batch
+        self.normalize_prompts = normalize_prompts  # reward/prompt_text.py, before the text encoder
 
     @abstractmethod
     def _score(self, samples: Tensor, prompts: list[str]) -> Tensor:
@@ -188,6 +191,8 @@ class ClipReward(ABC):
         """Scores [B] (float32, CPU) of images [B,3,H,W] in [-1, 1] for their B prompts; higher is better."""
         batch = samples.shape[0]
         prompts = check_prompts(self.name, cond, batch) if self.needs_prompts else [""] * batch
+        if self.normalize_prompts:
+            prompts = [normalize_prompt(p) for p in prompts]
         with torch.no_grad():
             parts = [self._score(samples[s], prompts[s]).float().cpu() for s in chunks(batch, self.max_batch)]
         return torch.cat(parts) if parts else torch.zeros(0)

@@ -20,14 +20,16 @@ if TYPE_CHECKING:
 class ClipScoreReward(ClipReward):
     """`score(images [B,3,H,W] in [-1, 1], prompts [B]) -> scale * cos(image, prompt)` as float32 [B] on CPU."""
 
-    def __init__(self, clip: ClipBackbone, name: str = "clip_score", scale: float = 1.0, max_batch: int = 32):
-        super().__init__(clip, name, max_batch)
+    def __init__(self, clip: ClipBackbone, name: str = "clip_score", scale: float = 1.0, max_batch: int = 32,
+                 normalize_prompts: bool = False):
+        super().__init__(clip, name, max_batch, normalize_prompts)
         self.scale = float(scale)
 
     @classmethod
     def from_spec(cls, spec: "ClipScoreSpec") -> "ClipScoreReward":
         clip = load_clip(spec.model, device=spec.device, dtype=spec.dtype)
-        return cls(clip, name=spec.name, scale=spec.scale, max_batch=spec.max_batch)
+        return cls(clip, name=spec.name, scale=spec.scale, max_batch=spec.max_batch,
+                   normalize_prompts=spec.normalize_prompts)
 
     def _score(self, samples: Tensor, prompts: list[str]) -> Tensor:
         return self.scale * self.clip.cosine(samples, prompts)

@@ -51,7 +51,16 @@ class ClipRunSettings(StrictModel):
     max_batch: int = Field(32, ge=1, description=_MAX_BATCH)
 
 
-class ClipScoreSpec(ClipRunSettings):
+class PromptReadingSettings(ClipRunSettings):
+    """Settings of the CLIP kinds that read the prompt (clip_score, preference)."""
+
+    normalize_prompts: bool = Field(False, description="normalise each prompt before the text encoder reads it "
+                                    "(reward/prompt_text.py: trademark signs, emoji and invisible characters out, "
+                                    "NFKC): web-scraped prompts' rare tokens move the score without changing what "
+                                    "the prompt asks for")
+
+
+class ClipScoreSpec(PromptReadingSettings):
     """CLIP score: scale * cos(image embedding, prompt embedding) (reward/clip_score.py)."""
 
     kind: Literal["clip_score"] = "clip_score"
@@ -73,7 +82,7 @@ class AestheticSpec(ClipRunSettings):
                        description=_MODEL + "; must be the CLIP the head was trained on (LAION's: ViT-L/14)")
 
 
-class PreferenceSpec(ClipRunSettings):
+class PreferenceSpec(PromptReadingSettings):
     """A human-preference model in PickScore's form: exp(logit_scale) * cos (reward/preference.py)."""
 
     kind: Literal["preference"] = "preference"

@@ -21,13 +21,14 @@ if TYPE_CHECKING:
 class PreferenceReward(ClipReward):
     """`score(images [B,3,H,W] in [-1, 1], prompts [B]) -> exp(logit_scale) * cos` as float32 [B] on CPU."""
 
-    def __init__(self, clip: ClipBackbone, name: str = "pickscore", max_batch: int = 32):
-        super().__init__(clip, name, max_batch)
+    def __init__(self, clip: ClipBackbone, name: str = "pickscore", max_batch: int = 32,
+                 normalize_prompts: bool = False):
+        super().__init__(clip, name, max_batch, normalize_prompts)
 
     @classmethod
     def from_spec(cls, spec: "PreferenceSpec") -> "PreferenceReward":
         clip = load_clip(spec.model, processor=spec.processor, device=spec.device, dtype=spec.dtype)
-        return cls(clip, name=spec.name, max_batch=spec.max_batch)
+        return cls(clip, name=spec.name, max_batch=spec.max_batch, normalize_prompts=spec.normalize_prompts)
 
     def _score(self, samples: Tensor, prompts: list[str]) -> Tensor:
         return self.clip.model.logit_scale.float().exp() * self.clip.cosine(samples, prompts)

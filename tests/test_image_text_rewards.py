@@ -227,3 +227,31 @@ def test_jpeg_upscale_travels_through_the_factory():
     assert not torch.equal(one.score(x, torch.zeros(2)), build_reward_model(JpegSpec()).score(x, torch.zeros(2)))
     with pytest.raises(pydantic.ValidationError, match="upscale"):
         JpegSpec(upscale=0)
+
+
+def test_normalized_prompts_score_as_their_clean_text_and_unnormalized_ones_do_not(tiny, models):
+    """normalize_prompts: a prompt with a trademark sign, an emoji, a zero-width space and full-width letters scores
+    exactly as its clean text (CLIP score and preference); without it the same prompt scores differently."""
+    noisy = ["a red\u200b apple\u2122 \U0001F34E", "\uff21 dog on grass\u00ae", "a tiny house \u2192 at dusk",
+             "two cats\ufe0f"]
+    clean = ["a red apple", "A dog on grass", "a tiny house at dusk", "two cats"]
+    px = model_space(pixels(4, seed=5))
+    for spec in (ClipScoreSpec(model=str(tiny["clip"]), normalize_prompts=True),
+                 PreferenceSpec(model=str(tiny["pick"]), processor=str(tiny["processor"]), normalize_prompts=True)):
+        model = build_reward_model(spec)
+        assert torch.equal(model.score(px, noisy), model.score(px, clean))
+        raw = models[spec.kind]
+        assert not torch.equal(raw.score(px, noisy), raw.score(px, clean))
+
+
+@pytest.mark.parametrize("text,expected", [
+    ("Coca-Cola\u2122 can \u00a9 2024 \u00ae", "Coca-Cola can 2024"),
+    ("\uff35\uff2c\uff34\uff32\uff21 \ufb01ne", "ULTRA fine"),  # full-width letters, a ligature
+    ("sun\u200b set \u200e\u2066x\u2069", "sun set x"),  # zero-width space, direction marks
+    ("beach \U0001F3D6\ufe0f  \u2192 4k\u2120\t\n", "beach 4k"),  # emoji + selector, arrow, service mark
+    ("caf\u00e9 na\u00efve, 3 < 5!", "caf\u00e9 na\u00efve, 3 5!"),  # letters and punctuation kept, math out
+])
+def test_prompt_normalisation_keeps_the_words_and_drops_marks_symbols_and_invisible_characters(text, expected):
+    from steadyrl.reward.prompt_text import normalize_prompt
+
+    assert normalize_prompt(text) == expected
