@@ -69,3 +69,17 @@ def test_group_gradient_norms_split_the_total_by_top_level_module_and_average_ov
     assert math.sqrt(sum(v ** 2 for v in norms.values())) == pytest.approx(float(total))
     assert mean_group_norms([{"0": 1.0, "": 2.0}, {"0": 3.0}]) == {"health/grad_norm_0": 2.0,
                                                                    "health/grad_norm_root": 2.0}
+
+
+def test_group_clipping_caps_each_modules_gradient_norm_and_leaves_smaller_ones_alone():
+    from steadyrl.trainer.health import clip_group_gradients, group_grad_norms
+
+    model = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.Linear(2, 1, bias=False))
+    model[0].weight.grad = torch.full((2, 3), 2.0)  # norm sqrt(24) ~ 4.9: clipped to 2
+    model[0].bias.grad = torch.zeros(2)
+    model[1].weight.grad = torch.tensor([[0.6, 0.8]])  # norm 1: below the cap, unchanged
+    direction = model[0].weight.grad / model[0].weight.grad.norm()
+    assert clip_group_gradients(model, 2.0) == 1
+    assert group_grad_norms(model) == {"0": pytest.approx(2.0), "1": pytest.approx(1.0)}
+    assert torch.allclose(model[0].weight.grad / model[0].weight.grad.norm(), direction)
+    assert torch.equal(model[1].weight.grad, torch.tensor([[0.6, 0.8]]))

@@ -144,3 +144,15 @@ def test_a_cosine_schedule_sets_each_updates_learning_rate_and_survives_a_resume
     lrs += [second.update(scored_batch(second, bright, seed=u))["policy/lr"] for u in range(4, 8)]
     assert lrs == pytest.approx([expected(u) for u in range(8)], rel=1e-12)
     assert lrs[0] == pytest.approx(5e-4) and lrs[7] == pytest.approx(1e-4)
+
+
+def test_group_gradient_clipping_clips_every_module_above_the_cap_and_none_below_it(learner):
+    """learner.group_grad_clip: with a cap far below any module's gradient norm every module with a gradient is
+    clipped at each optimiser step (health/groups_clipped); with a cap far above, none is."""
+    bright = lambda x: x.mean(dim=(1, 2, 3))  # noqa: E731
+    tight = tiny_learner(LearnerConfig(lr=1e-3, micro_batch_size=8, inner_epochs=1, group_grad_clip=1e-9))
+    m = tight.update(scored_batch(tight, bright))
+    modules = sum(1 for k in m if k.startswith("health/grad_norm_"))
+    assert modules >= 5 and m["health/groups_clipped"] == modules * m["policy/optimizer_steps"]
+    loose = tiny_learner(LearnerConfig(lr=1e-3, micro_batch_size=8, inner_epochs=1, group_grad_clip=1e9))
+    assert loose.update(scored_batch(loose, bright))["health/groups_clipped"] == 0.0

@@ -36,6 +36,10 @@ class LearnerConfig(StrictModel):
     betas: tuple[float, float] = (0.9, 0.999)
     weight_decay: float = Field(0.0, ge=0)
     grad_clip: float = Field(1.0, gt=0)
+    group_grad_clip: float | None = Field(
+        None, gt=0, description="clip each top-level module's gradient norm to this before the global grad_clip "
+        "(None: off): a spike in one block (e.g. a UNet's up-blocks) is held back without shrinking the others' "
+        "steps; needs zero_stage 0, where the gradients are on the parameters")
     zero_stage: int = Field(0, ge=0, le=3)
     inner_epochs: int = Field(2, ge=1)
     micro_batch_size: int = Field(32, ge=1, description="samples per forward/backward (memory)")
@@ -63,6 +67,9 @@ class LearnerConfig(StrictModel):
 
     @model_validator(mode="after")
     def _multiple(self) -> "LearnerConfig":
+        if self.group_grad_clip is not None and self.zero_stage > 0:
+            raise ValueError("learner.group_grad_clip needs zero_stage=0 (ZeRO 1-3 partition the gradients: a "
+                             "module's norm is not on one rank's parameters)")
         if self.balanced.module_grad_scaling and self.zero_stage > 0:
             raise ValueError("learner.balanced.module_grad_scaling needs zero_stage=0 (ZeRO 1-3 partition the "
                              "gradients: each module's norm is not on one rank's parameters)")

@@ -86,3 +86,22 @@ def mean_group_norms(steps: list[dict[str, float]]) -> dict[str, float]:
     names = sorted({k for s in steps for k in s})
     return {f"health/grad_norm_{k or 'root'}": sum(s[k] for s in steps if k in s) / sum(k in s for s in steps)
             for k in names}
+
+
+@torch.no_grad()
+def clip_group_gradients(model: torch.nn.Module, max_norm: float) -> int:
+    """In place, per top-level module: g <- g * min(1, max_norm / ||g||_2) over the module's accumulated gradients
+    (as global clipping, one module at a time: a module whose gradient spikes is held back without shrinking the
+    others). Returns how many modules were clipped."""
+    clipped = 0
+    for _, params in module_groups(model, 1).items():
+        grads = [p.grad for _, p in params if p.grad is not None]
+        if not grads:
+            continue
+        norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g, dtype=torch.float64)
+                                                     for g in grads]))
+        if norm > max_norm:
+            for g in grads:
+                g.mul_((max_norm / norm).to(g.dtype))
+            clipped += 1
+    return clipped

@@ -37,8 +37,8 @@ from steadyrl.trainer.context import DifferentiableReward, UpdateContext
 from steadyrl.trainer.deepspeed_config import communication_backend, deepspeed_config
 from steadyrl.trainer.distributed import (gather_pieces, group_shares, micro_batch_count, reduce_metrics, split_into,
                                           world)
-from steadyrl.trainer.health import (advantage_panel, drop_nonfinite_advantages, group_grad_norms, mean_group_norms,
-                                     reward_panel, zero_std_group_fraction)
+from steadyrl.trainer.health import (advantage_panel, clip_group_gradients, drop_nonfinite_advantages,
+                                     group_grad_norms, mean_group_norms, reward_panel, zero_std_group_fraction)
 from steadyrl.trainer.lr_schedule import lr_factor
 from steadyrl.trainer.objectives import Objective
 from steadyrl.trainer.off_policy import check_staleness, staleness
@@ -112,6 +112,7 @@ class DeepSpeedLearner:
         self.updates = 0
         self._pre_clip_norm: float | None = None
         self._group_norms: list[dict[str, float]] = []  # per optimiser step of the current update (health panel)
+        self._groups_clipped = 0  # module gradients clipped by learner.group_grad_clip in the current update
         self._module_scales: dict[str, float] = {}
 
     @property
@@ -192,7 +193,7 @@ class DeepSpeedLearner:
         groups = [list(range(i, min(i + k, len(micro)))) for i in range(0, len(micro), k)]
         sums = MetricSums()
         grad_norms: list[float] = []
-        self._group_norms = []
+        self._group_norms, self._groups_clipped = [], 0
         self.engine.train()
         for _ in range(self.cfg.inner_epochs):
             for group in groups:
@@ -208,6 +209,7 @@ class DeepSpeedLearner:
         metrics.update({
             "policy/grad_norm": sum(grad_norms) / max(1, len(grad_norms)),
             **mean_group_norms(self._group_norms),
+            "health/groups_clipped": float(self._groups_clipped),
             "policy/adv_abs_mean": float(batch.advantages.abs().mean()) if batch.advantages is not None else 0.0,
             "policy/optimizer_steps": float(len(groups) * self.cfg.inner_epochs),
             "reward/nonfinite_skipped": float(skipped),
@@ -260,6 +262,8 @@ class DeepSpeedLearner:
         if last:
             self._pre_clip_norm = self._grad_norm()
             self._group_norms.append(group_grad_norms(self.network))
+            if self.cfg.group_grad_clip is not None:  # per module, before DeepSpeed's global clip in step()
+                self._groups_clipped += clip_group_gradients(self.network, self.cfg.group_grad_clip)
             if self.cfg.balanced.module_grad_scaling:  # after the accumulation boundary, before clip and step
                 scales = scale_module_gradients(self.network, self.cfg.balanced.scaling_depth,
                                                 self.cfg.balanced.scaling_eps)
