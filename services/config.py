@@ -231,14 +231,16 @@ class TrainConfig(StrictModel):
 
     @model_validator(mode="after")
     def _lr_schedule_spans_the_run(self) -> "TrainConfig":
-        """A cosine schedule without `total_updates` decays over the run's steps (written into the saved config, so
-        a resumed run keeps it)."""
+        """An lr or KL schedule without `total_updates` spans the run's steps (written into the saved config, so a
+        resumed run keeps it)."""
         schedule = self.learner.lr_schedule
         if schedule.kind == "cosine" and schedule.total_updates is None:
             if schedule.warmup_updates >= self.run.steps:
                 raise ValueError(f"learner.lr_schedule.warmup_updates={schedule.warmup_updates} must be less than "
                                  f"run.steps={self.run.steps}")
             schedule.total_updates = self.run.steps
+        if self.learner.kl_schedule.kind != "constant" and self.learner.kl_schedule.total_updates is None:
+            self.learner.kl_schedule.total_updates = self.run.steps
         return self
 
 

@@ -106,9 +106,9 @@ TINY_UNET = UNetConfig(block_out_channels=(8, 16), norm_num_groups=4)
 IMAGE_FAMILIES = {"ddim": DDIMSamplerConfig(num_steps=5), "flow_sde": FlowSDESamplerConfig(num_steps=5)}
 
 
-def tiny_learner(cfg: LearnerConfig):
+def tiny_learner(cfg: LearnerConfig, objective=None):
     """A DeepSpeed learner (gloo, this process, a fresh port) on the tiny class-conditional UNet, 5 DDIM steps,
-    GRPO with eps_clip 0.2."""
+    `objective` (default GRPO with eps_clip 0.2)."""
     from steadyrl.rollout.ddim import DDIMLogProbSampler
     from steadyrl.rollout.models import build_class_policy, build_scheduler
     from steadyrl.services.runtime import free_port, set_rank_env
@@ -118,7 +118,8 @@ def tiny_learner(cfg: LearnerConfig):
     set_rank_env(free_port())
     torch.manual_seed(0)
     sampler = DDIMLogProbSampler(DDIMSamplerConfig(num_steps=5), build_scheduler(SchedulerConfig()))
-    return build_deepspeed_learner(build_class_policy(TINY_UNET), sampler, GRPOSettings(eps_clip=0.2), cfg, seed=0)
+    return build_deepspeed_learner(build_class_policy(TINY_UNET), sampler, objective or GRPOSettings(eps_clip=0.2),
+                                   cfg, seed=0)
 
 
 def make_image_learner(sampler_cfg, objective_cfg, seed: int = 0, **learner_kw):

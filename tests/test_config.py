@@ -84,7 +84,7 @@ def test_a_testbed_and_sampler_that_do_not_fit_are_refused_by_name(overrides, fi
     assert field in str(err.value)
 
 
-def test_a_cosine_lr_schedule_spans_the_run_unless_told_otherwise_and_a_warmup_must_end_before_it():
+def test_lr_and_kl_schedules_span_the_run_unless_told_otherwise_and_a_warmup_must_end_before_it():
     from steadyrl.services.config import CONFIG_DIR, load_config
 
     cfg = load_config(CONFIG_DIR / "smoke.yaml", ["learner.lr_schedule.kind=cosine", "run.steps=12"])
@@ -92,6 +92,8 @@ def test_a_cosine_lr_schedule_spans_the_run_unless_told_otherwise_and_a_warmup_m
     fixed = load_config(CONFIG_DIR / "smoke.yaml", ["learner.lr_schedule.kind=cosine",
                                                     "learner.lr_schedule.total_updates=5"])
     assert fixed.learner.lr_schedule.total_updates == 5
+    kl = load_config(CONFIG_DIR / "smoke.yaml", ["learner.kl_schedule.kind=linear", "run.steps=7"])
+    assert kl.learner.kl_schedule.total_updates == 7
     with pytest.raises(ValueError, match=r"learner.lr_schedule.warmup_updates=12 must be less than run.steps=12"):
         load_config(CONFIG_DIR / "smoke.yaml", ["learner.lr_schedule.kind=cosine", "run.steps=12",
                                                 "learner.lr_schedule.warmup_updates=12"])

@@ -156,3 +156,17 @@ def test_group_gradient_clipping_clips_every_module_above_the_cap_and_none_below
     assert modules >= 5 and m["health/groups_clipped"] == modules * m["policy/optimizer_steps"]
     loose = tiny_learner(LearnerConfig(lr=1e-3, micro_batch_size=8, inner_epochs=1, group_grad_clip=1e9))
     assert loose.update(scored_batch(loose, bright))["health/groups_clipped"] == 0.0
+
+
+def test_a_linear_kl_schedule_sets_the_objectives_kl_weight_each_update():
+    """kl_coef 0.5, linear to 3x over 4 updates: the weight each update ran with (policy/kl_weight) is
+    0.5 x (1 + 2 min(u / 4, 1))."""
+    from steadyrl.trainer.kl_schedule import KLScheduleConfig
+    from steadyrl.trainer.objectives.grpo import GRPOSettings
+
+    cfg = LearnerConfig(lr=1e-3, micro_batch_size=8, inner_epochs=1,
+                        kl_schedule=KLScheduleConfig(kind="linear", end_ratio=3.0, total_updates=4))
+    learner = tiny_learner(cfg, GRPOSettings(eps_clip=0.2, kl_coef=0.5))
+    bright = lambda x: x.mean(dim=(1, 2, 3))  # noqa: E731
+    weights = [learner.update(scored_batch(learner, bright, seed=u))["policy/kl_weight"] for u in range(6)]
+    assert weights == pytest.approx([0.5 * (1 + 2 * min(u / 4, 1)) for u in range(6)], rel=1e-12)

@@ -47,6 +47,27 @@ def test_grpo_loss_at_ratio_one_is_minus_mean_advantage_and_kl_adds_linearly():
     assert float(m["policy/clip_frac"]) == 0.0 and float(m["policy/ratio_mean"]) == 1.0
 
 
+@pytest.mark.parametrize("name", ["grpo", "bgpo.paper"])
+def test_the_kl_schedules_factor_scales_exactly_the_kl_term_of_every_objective(name):
+    """objective.kl_scale (set by the learner's KL schedule) multiplies the KL term and nothing else: the loss at
+    scale s minus the loss at scale 0 is s times the loss at scale 1 minus the loss at scale 0."""
+    from steadyrl.trainer.objectives.registry import settings_types
+
+    obj = build_objective(settings_types()[name](kl_coef=0.5))
+    lp = torch.tensor([-1.0, -2.0, -3.0])
+
+    def loss(scale: float) -> float:
+        obj.kl_scale = scale
+        inputs = TermInputs(new_logp=lp, old_logp=lp - 0.01, advantages=torch.tensor([1.0, -0.5, 2.0]),
+                            step=torch.zeros(3, dtype=torch.long), std=torch.ones(3), dt=torch.ones(3), n_terms=3,
+                            kl_ref=torch.tensor([0.2, 0.4, 0.1]), rows=torch.arange(3))
+        return float(obj.loss(inputs, {})[0])
+
+    base, one, three = loss(0.0), loss(1.0), loss(3.0)
+    assert one != base and three - base == pytest.approx(3 * (one - base), rel=1e-6)
+    assert obj.kl_weight == pytest.approx(1.5)
+
+
 def test_advantages_come_from_the_named_training_reward_column():
     batch = RolloutBatch(cond=torch.zeros(4, dtype=torch.long), group=torch.tensor([0, 0, 1, 1]),
                          samples=torch.zeros(4, 1), traj=torch.zeros(4, 2, 1), old_logp=torch.zeros(4, 1),

@@ -7,6 +7,7 @@ from pydantic import Discriminator, Field, Tag, model_validator
 
 from steadyrl.rollout.config import StrictModel
 from steadyrl.trainer.balanced_gradient import BalancedGradientConfig
+from steadyrl.trainer.kl_schedule import KLScheduleConfig
 from steadyrl.trainer.lr_schedule import LRScheduleConfig
 from steadyrl.trainer.objectives import settings_types
 
@@ -33,6 +34,8 @@ class LearnerConfig(StrictModel):
     lr: float = Field(1e-4, gt=0)
     lr_schedule: LRScheduleConfig = Field(default_factory=LRScheduleConfig,
                                           description="warm-up and decay of lr over the run's updates")
+    kl_schedule: KLScheduleConfig = Field(default_factory=KLScheduleConfig,
+                                          description="a factor on the objective's kl_coef over the run's updates")
     betas: tuple[float, float] = (0.9, 0.999)
     weight_decay: float = Field(0.0, ge=0)
     grad_clip: float = Field(1.0, gt=0)

@@ -39,6 +39,7 @@ from steadyrl.trainer.distributed import (gather_pieces, group_shares, micro_bat
                                           world)
 from steadyrl.trainer.health import (advantage_panel, clip_group_gradients, drop_nonfinite_advantages,
                                      group_grad_norms, mean_group_norms, reward_panel, zero_std_group_fraction)
+from steadyrl.trainer.kl_schedule import kl_factor
 from steadyrl.trainer.lr_schedule import lr_factor
 from steadyrl.trainer.objectives import Objective
 from steadyrl.trainer.off_policy import check_staleness, staleness
@@ -165,7 +166,7 @@ class DeepSpeedLearner:
             batch = batch.index(torch.nonzero(finite).flatten())
         if len(batch) == 0:
             raise ValueError("no sample in the batch has a finite reward")
-        self._set_lr()
+        self._set_schedules()
         lag = staleness(batch, self.updates)
         check_staleness(lag, self.cfg.max_staleness)
         batch, metrics = self.objective.prepare_batch(batch)  # on the whole batch, identically on every rank
@@ -215,6 +216,7 @@ class DeepSpeedLearner:
             "reward/nonfinite_skipped": float(skipped),
             "policy/samples": float(len(batch)),  # trained on, over all ranks (counted: none lost or duplicated)
             "policy/lr": float(self.engine.get_lr()[0]),
+            "policy/kl_weight": self.objective.kl_weight,
             "sync/bytes": float(state_bytes(trainable_state(self.policy))),
         })
         if self._module_scales:
@@ -222,11 +224,13 @@ class DeepSpeedLearner:
             metrics["balanced/module_scale_min"] = min(self._module_scales.values())
         return metrics
 
-    def _set_lr(self) -> None:
-        """This update's learning rate from the schedule (trainer/lr_schedule.py) and the update count."""
+    def _set_schedules(self) -> None:
+        """This update's learning rate and KL weight from their schedules (trainer/lr_schedule.py,
+        trainer/kl_schedule.py) and the update count."""
         lr = self.cfg.lr * lr_factor(self.cfg.lr_schedule, self.updates)
         for group in self.engine.optimizer.param_groups:
             group["lr"] = lr
+        self.objective.kl_scale = kl_factor(self.cfg.kl_schedule, self.updates)
 
     def _recompute_old(self, micro: list[RolloutBatch]) -> tuple[list[OldPolicy], dict[str, float]]:
         """The no-grad pre-pass over the update's micro-batches (trainer/recompute.py) and its metrics."""

@@ -135,10 +135,16 @@ class Objective(ABC):
     def __init__(self, cfg: ObjectiveSettings):
         self.cfg = cfg
         self.state: dict[str, Tensor] = {}
+        self.kl_scale = 1.0  # the learner's KL schedule sets it before each update (trainer/kl_schedule.py)
 
     @property
     def needs_reference(self) -> bool:
         return float(getattr(self.cfg, "kl_coef", 0.0)) > 0
+
+    @property
+    def kl_weight(self) -> float:
+        """This update's KL weight: the settings' kl_coef times the schedule's factor."""
+        return float(getattr(self.cfg, "kl_coef", 0.0)) * self.kl_scale
 
     def advantages(self, batch: RolloutBatch) -> Tensor:
         """A_i = clip((r_i - mean_g r) / (std_g r + eps_std), -adv_clip, adv_clip) within each prompt group."""

@@ -51,4 +51,4 @@ class BGPOPaper(PolicyGradientObjective):
         metrics = ratio_metrics(log_ratio.exp(), log_ratio, None)
         metrics["bgpo/bound_mean"] = bound.detach().mean()
         metrics["policy/pg_loss"] = pg.detach() * inputs.n_terms / len(bound)
-        return pg + kl_penalty(inputs, self.cfg.kl_coef, metrics), metrics
+        return pg + kl_penalty(inputs, self.kl_weight, metrics), metrics

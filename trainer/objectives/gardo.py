@@ -151,7 +151,7 @@ class GARDOBase(PolicyGradientObjective):
             kl = k[gate].sum() / inputs.n_terms
             if self.cfg.kl_average == "gated":
                 kl = kl * len(gate) / int(gate.sum())
-            loss = pg + self.cfg.kl_coef * kl
+            loss = pg + self.kl_weight * kl
             piece_kl = float(k[gate].detach().mean())
             metrics["gardo/kl_gated"] = k[gate].detach().mean()
         self._win[0] += piece_kl

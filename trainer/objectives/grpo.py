@@ -41,6 +41,6 @@ class GRPO(PolicyGradientObjective):
         ratio = log_ratio.exp()
         metrics = ratio_metrics(ratio, log_ratio, self.cfg.eps_clip)
         pg = ppo_clip_loss(ratio, inputs.advantages, self.cfg.eps_clip).sum() / inputs.n_terms  # sum / n_terms
-        loss = pg + kl_penalty(inputs, self.cfg.kl_coef, metrics)
+        loss = pg + kl_penalty(inputs, self.kl_weight, metrics)
         metrics["policy/pg_loss"] = pg.detach() * inputs.n_terms / len(ratio)
         return loss, metrics

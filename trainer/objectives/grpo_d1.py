@@ -52,10 +52,10 @@ class GRPOD1(PolicyGradientObjective):
         ratio = log_ratio.exp()
         per_token = ppo_clip_loss(ratio, inputs.advantages.unsqueeze(1), self.cfg.eps_clip)
         metrics = ratio_metrics(ratio[scored], log_ratio[scored], self.cfg.eps_clip)
-        if inputs.ref_tokens is not None and self.cfg.kl_coef > 0:
+        if inputs.ref_tokens is not None and self.kl_weight > 0:
             d = (inputs.ref_tokens - new).masked_fill(~scored, 0.0)  # unscored tokens: 0, never exp() of garbage
             kl = d.exp() - d - 1
-            per_token = per_token + self.cfg.kl_coef * kl
+            per_token = per_token + self.kl_weight * kl
             metrics["policy/kl_ref"] = kl.detach()[scored].mean()
         token_mean = (per_token * scored).sum() / scored.sum().clamp(min=1)
         metrics["policy/pg_loss"] = token_mean.detach()

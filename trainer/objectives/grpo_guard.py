@@ -112,7 +112,7 @@ class GRPOGuardPaper(PolicyGradientObjective):
         metrics = ratio_metrics(ratio, log_ratio, cfg.eps_clip)
         per_term = ppo_clip_loss(ratio, inputs.advantages, cfg.eps_clip) / inputs.dt.to(ratio.dtype)
         pg = per_term.sum() / inputs.n_terms  # sum of clip / |Delta t| over the piece, / n_terms
-        loss = pg + kl_penalty(inputs, cfg.kl_coef, metrics)
+        loss = pg + kl_penalty(inputs, self.kl_weight, metrics)
         metrics["policy/pg_loss"] = pg.detach() * inputs.n_terms / len(ratio)
         metrics["guard/raw_log_ratio_mean"] = (inputs.new_logp - inputs.old_logp).detach().mean()
         metrics["guard/norm_log_ratio_mean"] = log_ratio.detach().mean()

@@ -135,4 +135,4 @@ class StableDRLCode(PolicyGradientObjective):
             "stabledrl/cap_frac": (seq > self.cfg.log_ratio_cap).float().mean(),
             "policy/pg_loss": -(w * adv).sum().detach(),
         })
-        return pg + kl_penalty(inputs, self.cfg.kl_coef, metrics), metrics
+        return pg + kl_penalty(inputs, self.kl_weight, metrics), metrics

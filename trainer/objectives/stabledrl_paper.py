@@ -87,4 +87,4 @@ class StableDRLPaper(PolicyGradientObjective):
         metrics["stabledrl/norm"] = z / count
         metrics["stabledrl/weight_max"] = weight.max()
         metrics["policy/pg_loss"] = -(weight * adv).sum().detach()  # the surrogate's value, sum_j w_j A_j
-        return pg + kl_penalty(inputs, self.cfg.kl_coef, metrics), metrics
+        return pg + kl_penalty(inputs, self.kl_weight, metrics), metrics
