@@ -101,20 +101,15 @@ class TransformersBlockGeneration:
 
     engine = False
 
-    def __init__(self, model):
-        self.model = model
-
-    def vocab_size(self) -> int:
-        net = self.model
-        while not hasattr(net, "config") and hasattr(net, "net"):
-            net = net.net
-        return int(net.config.get_text_config().vocab_size)
+    def __init__(self, model, vocab_size: int):
+        """`vocab_size`: the model's, which its noise ids are drawn from."""
+        self.model, self.vocab_size = model, int(vocab_size)
 
     @torch.no_grad()
     def denoise_block(self, prefix: Tensor, attention: Tensor, cfg: BlockDiffusionSamplerConfig,
                       generator: torch.Generator | None) -> tuple[Tensor, Tensor]:
         """One block: the committed argmax canvas [B, CL] and log softmax(l)[a] at each row's last step."""
-        B, CL, V, device = len(prefix), cfg.block, self.vocab_size(), prefix.device
+        B, CL, V, device = len(prefix), cfg.block, self.vocab_size, prefix.device
         canvas = uniform_ids((B, CL), V, generator, device)
         history = torch.full((cfg.stability_threshold, B, CL), -1, dtype=torch.long, device=device)
         done = torch.zeros(B, dtype=torch.bool, device=device)
@@ -131,11 +126,11 @@ class TransformersBlockGeneration:
             canvas, argmax = torch.where(held, canvas, new_canvas), torch.where(held, argmax, new_argmax)
             step_conf = torch.log_softmax(logits, dim=-1).gather(-1, new_argmax.unsqueeze(-1)).squeeze(-1)
             confidence = torch.where(held, confidence, step_conf)
-            logits = logits if conditioning is None else torch.where(held.unsqueeze(-1), conditioning, logits)
             stable = (history == argmax).all(dim=-1).all(dim=0)
             if cfg.stability_threshold:
                 history = torch.cat([history[1:], argmax.unsqueeze(0)])
-            done |= stable & (entropy(logits).mean(dim=-1) < cfg.confidence_threshold)
+            # a converged row stays done, and what it is fed or computes next is never used
+            done |= stable & (H.mean(dim=-1) < cfg.confidence_threshold)
             conditioning = logits
             if bool(done.all()):
                 break
@@ -157,9 +152,9 @@ class TransformersBlockGeneration:
         return Generated(tokens, torch.cat(confidences, dim=1).float().cpu() * completion_valid(tokens, eos_id))
 
 
-def block_backend(policy) -> BlockGenerationBackend:
+def block_backend(policy, vocab_size: int) -> BlockGenerationBackend:
     """The policy itself when it is a backend (an inference engine), else the transformers loop over it."""
-    return policy if isinstance(policy, BlockGenerationBackend) else TransformersBlockGeneration(policy)
+    return policy if isinstance(policy, BlockGenerationBackend) else TransformersBlockGeneration(policy, vocab_size)
 
 
 class BlockDiffusionSampler:
@@ -205,7 +200,7 @@ class BlockDiffusionSampler:
         (the learner's recompute is then the old policy). The batch is on the CPU."""
         prompts = cond.long().cpu().repeat_interleave(n_per_cond, dim=0)
         group = (group_offset + torch.arange(len(cond))).repeat_interleave(n_per_cond)
-        backend = block_backend(policy)
+        backend = block_backend(policy, self.vocab_size)
         out = backend.generate_blocks(prompts, self.attention(prompts), self.cfg, self.eos_token_id,
                                       self.pad_token_id, generator)
         masks, noise = self.draw_noise(out.tokens, generator)

@@ -172,8 +172,7 @@ def test_a_block_stops_once_stable_and_confident_and_commits_the_argmax_canvas()
             return type("Out", (), {"logits": logits})()
 
     model = Fixed()
-    gen = TransformersBlockGeneration(model)
-    gen.vocab_size = lambda: VOCAB
+    gen = TransformersBlockGeneration(model, VOCAB)
     cfg = BlockDiffusionSamplerConfig(gen_length=4, num_steps=10, stability_threshold=2)
     out = gen.generate_blocks(arith_prompts(2), None, cfg, EOS, PAD, torch.Generator().manual_seed(0))
     assert model.calls == 3 and (out.tokens == 7).all()
