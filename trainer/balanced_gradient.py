@@ -76,18 +76,27 @@ def module_groups(model: nn.Module, depth: int) -> dict[str, list[tuple[str, nn.
     return dict(groups)
 
 
+def group_gradients(model: nn.Module, depth: int) -> dict[str, list[Tensor]]:
+    """The accumulated gradients of each module group (`module_groups`) that has any."""
+    groups = {name: [p.grad for _, p in params if p.grad is not None]
+              for name, params in module_groups(model, depth).items()}
+    return {name: grads for name, grads in groups.items() if grads}
+
+
+def gradient_norm(grads: list[Tensor]) -> Tensor:
+    """||g||_2 over several tensors, a float64 scalar: at least fp32 per tensor, mixed-precision tensors combined
+    in fp64."""
+    norms = [torch.linalg.vector_norm(g, dtype=torch.promote_types(g.dtype, torch.float32)).double() for g in grads]
+    return torch.linalg.vector_norm(torch.stack(norms))
+
+
 @torch.no_grad()
 def scale_module_gradients(model: nn.Module, depth: int, eps: float = 1e-8) -> dict[str, float]:
     """In place, per module group i: g_i <- g_i sqrt(d_i) / (||g_i||_2 + eps), d_i the elements of the group's
     parameters that have a gradient; groups without any gradient are skipped. Returns each group's factor."""
     names, scales = [], []
-    for group, params in module_groups(model, depth).items():
-        grads = [p.grad for _, p in params if p.grad is not None]
-        if not grads:
-            continue
-        norms = [torch.linalg.vector_norm(g, dtype=torch.promote_types(g.dtype, torch.float32)).double()
-                 for g in grads]  # at least fp32 per tensor; mixed-precision groups combine in fp64
-        scale = sum(g.numel() for g in grads) ** 0.5 / (torch.linalg.vector_norm(torch.stack(norms)) + eps)
+    for group, grads in group_gradients(model, depth).items():
+        scale = sum(g.numel() for g in grads) ** 0.5 / (gradient_norm(grads) + eps)
         for g in grads:
             g.mul_(scale.to(g.dtype))
         names.append(group)

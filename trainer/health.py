@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 from steadyrl.rollout.batch import RolloutBatch
-from steadyrl.trainer.balanced_gradient import module_groups
+from steadyrl.trainer.balanced_gradient import gradient_norm, group_gradients
 
 QUANTILES = (0.1, 0.5, 0.9)
 
@@ -72,13 +72,7 @@ def drop_nonfinite_advantages(batch: RolloutBatch) -> tuple[RolloutBatch, int]:
 def group_grad_norms(model: torch.nn.Module) -> dict[str, float]:
     """||g||_2 of each top-level module's accumulated gradients (modules without a gradient left out; a parameter
     of the root module under '')."""
-    out = {}
-    for group, params in module_groups(model, 1).items():
-        grads = [p.grad for _, p in params if p.grad is not None]
-        if grads:
-            out[group] = float(torch.linalg.vector_norm(torch.stack(
-                [torch.linalg.vector_norm(g, dtype=torch.float64) for g in grads])))
-    return out
+    return {group: float(gradient_norm(grads)) for group, grads in group_gradients(model, 1).items()}
 
 
 def mean_group_norms(steps: list[dict[str, float]]) -> dict[str, float]:
@@ -89,19 +83,16 @@ def mean_group_norms(steps: list[dict[str, float]]) -> dict[str, float]:
 
 
 @torch.no_grad()
-def clip_group_gradients(model: torch.nn.Module, max_norm: float) -> int:
+def clip_group_gradients(model: torch.nn.Module, max_norm: float, norms: dict[str, float] | None = None) -> int:
     """In place, per top-level module: g <- g * min(1, max_norm / ||g||_2) over the module's accumulated gradients
     (as global clipping, one module at a time: a module whose gradient spikes is held back without shrinking the
-    others). Returns how many modules were clipped."""
+    others); `norms`: the modules' norms as `group_grad_norms` gave them, when already computed. Returns how many
+    modules were clipped."""
+    norms = group_grad_norms(model) if norms is None else norms
     clipped = 0
-    for _, params in module_groups(model, 1).items():
-        grads = [p.grad for _, p in params if p.grad is not None]
-        if not grads:
-            continue
-        norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g, dtype=torch.float64)
-                                                     for g in grads]))
-        if norm > max_norm:
+    for group, grads in group_gradients(model, 1).items():
+        if norms[group] > max_norm:
             for g in grads:
-                g.mul_((max_norm / norm).to(g.dtype))
+                g.mul_(max_norm / norms[group])
             clipped += 1
     return clipped

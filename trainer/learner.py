@@ -265,9 +265,10 @@ class DeepSpeedLearner:
         self.engine.backward(loss * self.world_size if self.world_size > 1 else loss, scale_wrt_gas=False)
         if last:
             self._pre_clip_norm = self._grad_norm()
-            self._group_norms.append(group_grad_norms(self.network))
+            norms = group_grad_norms(self.network)
+            self._group_norms.append(norms)
             if self.cfg.group_grad_clip is not None:  # per module, before DeepSpeed's global clip in step()
-                self._groups_clipped += clip_group_gradients(self.network, self.cfg.group_grad_clip)
+                self._groups_clipped += clip_group_gradients(self.network, self.cfg.group_grad_clip, norms)
             if self.cfg.balanced.module_grad_scaling:  # after the accumulation boundary, before clip and step
                 scales = scale_module_gradients(self.network, self.cfg.balanced.scaling_depth,
                                                 self.cfg.balanced.scaling_eps)
