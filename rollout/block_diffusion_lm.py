@@ -12,8 +12,6 @@ The model's vision tower is part of the architecture but never sees an image her
 """
 from __future__ import annotations
 
-import json
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -145,22 +143,3 @@ def block_logits(model, prefix: Tensor, prefix_attention: Tensor | None, canvas:
                  decoder_input_ids=canvas, decoder_attention_mask=decoder_att,
                  decoder_position_ids=canvas_positions(att, canvas.shape[1]),
                  self_conditioning_logits=self_conditioning, self_conditioning_mask=self_conditioning_rows).logits
-
-
-def untied_state(net: nn.Module) -> dict[str, Tensor]:
-    """The state dict with tied entries (encoder, decoder and head share tensors) as separate CPU copies, which
-    safetensors can write."""
-    return {k: v.detach().to("cpu", copy=True).contiguous() for k, v in net.state_dict().items()}
-
-
-def write_block_diffusion_checkpoint(net: nn.Module, directory: Path, generation: dict[str, Any]) -> Path:
-    """`net` as a checkpoint directory vLLM loads: config.json, model.safetensors and the generation_config.json its
-    DiffusionGemma sampler reads (`generation`: `rollout.vllm_diffusion.generation_config`)."""
-    from safetensors.torch import save_file
-
-    directory.mkdir(parents=True, exist_ok=True)
-    state = {k.replace(".base_layer.", "."): v for k, v in untied_state(net).items() if "lora_" not in k}
-    save_file(state, str(directory / "model.safetensors"))
-    net.config.to_json_file(str(directory / "config.json"))
-    (directory / "generation_config.json").write_text(json.dumps(generation, indent=2))
-    return directory

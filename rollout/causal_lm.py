@@ -95,16 +95,21 @@ def pretrained_causal_architecture(name_or_path: str, weights: dict[str, Tensor]
     return load_tied_weights(model, weights, name_or_path)
 
 
-def write_hf_checkpoint(net: nn.Module, directory: Path) -> Path:
-    """`net` (a transformers causal LM, adapters excluded) as a checkpoint directory an inference engine loads:
-    config.json and model.safetensors."""
+def write_hf_checkpoint(net: nn.Module, directory: Path, generation: dict[str, Any] | None = None) -> Path:
+    """`net` (a transformers LM, adapters excluded) as a checkpoint directory an inference engine loads:
+    config.json, model.safetensors and, when given, generation_config.json (`generation`: a diffusion LM's sampler
+    settings, `rollout.vllm_diffusion.generation_config`)."""
+    from steadyrl.rollout.models import cpu_state
+
     directory.mkdir(parents=True, exist_ok=True)
-    base = {k: v for k, v in net.state_dict().items() if "lora_" not in k}
-    base = {k.replace(".base_layer.", "."): v for k, v in base.items()}  # peft-wrapped linears keep the base here
+    base = {k.replace(".base_layer.", "."): v for k, v in cpu_state(net).items()  # peft keeps the base there
+            if "lora_" not in k}
     from safetensors.torch import save_file
 
-    save_file({k: v.detach().contiguous().cpu() for k, v in base.items()}, str(directory / "model.safetensors"))
+    save_file(base, str(directory / "model.safetensors"))
     net.config.to_json_file(str(directory / "config.json"))
+    if generation is not None:
+        (directory / "generation_config.json").write_text(json.dumps(generation, indent=2))
     return directory
 
 

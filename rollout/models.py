@@ -60,5 +60,11 @@ def class_policy_from_weights(cfg: UNetConfig, weights: dict[str, torch.Tensor])
     return ClassConditionalPolicy(unet_from_weights(cfg, weights)).eval()
 
 
+def cpu_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The state dict as CPU copies, one per entry: tied entries (an LM head sharing the embeddings, DiffusionGemma's
+    shared encoder and decoder) become separate tensors, which safetensors can write."""
+    return {k: v.detach().to("cpu", copy=True).contiguous() for k, v in model.state_dict().items()}
+
+
 def save_weights(model: torch.nn.Module, path: Path) -> None:
-    save_file({k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}, str(path))
+    save_file(cpu_state(model), str(path))

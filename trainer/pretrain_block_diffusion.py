@@ -27,9 +27,10 @@ from pydantic import Field
 
 from steadyrl.rollout.arith import TOKENIZER, ArithTask
 from steadyrl.rollout.block_diffusion_lm import (IMAGE_TOKENS, BlockDiffusionLMConfig, block_logits,
-                                                 build_block_diffusion_lm, untied_state)
+                                                 build_block_diffusion_lm)
 from steadyrl.rollout.cache import build_dir_atomically, build_key, cache_root, reproducible_build
 from steadyrl.rollout.config import StrictModel
+from steadyrl.rollout.models import save_weights
 from steadyrl.trainer.pretrain_loop import fit_on_problems
 
 MODEL_FILE = "block_diffusion_lm.safetensors"
@@ -85,10 +86,8 @@ def ensure_pretrained_block_diffusion_lm(task: ArithTask, model_cfg: BlockDiffus
             "pretrain": cfg.model_dump(), "vocab": TOKENIZER.vocab}
 
     def build(tmp: Path) -> None:
-        from safetensors.torch import save_file
-
         model, losses = pretrain_block_diffusion_lm(task, model_cfg, canvas_length, cfg, progress)
-        save_file(untied_state(model), str(tmp / MODEL_FILE))
+        save_weights(model, tmp / MODEL_FILE)
         meta = {**spec, "final_loss": sum(losses[-20:]) / len(losses[-20:])}
         (tmp / "config.json").write_text(json.dumps(meta, indent=2))
 

@@ -116,7 +116,7 @@ class ArithBDTestbed(ArithARTestbed):
         `weights` (the full weights, or the adapters)."""
         import tempfile
 
-        from steadyrl.rollout.block_diffusion_lm import write_block_diffusion_checkpoint
+        from steadyrl.rollout.causal_lm import write_hf_checkpoint
         from steadyrl.rollout.vllm_diffusion import VLLMBlockDiffusionEngine, generation_config
 
         a, cfg = self.settings, self.cfg.sampler
@@ -124,8 +124,8 @@ class ArithBDTestbed(ArithARTestbed):
             model = a.pretrained
         else:
             net = self._base_network() if a.lora is not None else self._tiny_network(weights)
-            model = str(write_block_diffusion_checkpoint(net, Path(tempfile.mkdtemp(prefix="steadyrl-vllm-model-")),
-                                                         generation_config(cfg)))
+            model = str(write_hf_checkpoint(net, Path(tempfile.mkdtemp(prefix="steadyrl-vllm-model-")),
+                                            generation_config(cfg)))
         targets = None if a.lora is None else a.lora.target_modules or self._default_lora_targets(self.hf_config)
         return VLLMBlockDiffusionEngine(model, cfg, self._max_model_len(), weights, a.lora, targets,
                                         device=str(device))

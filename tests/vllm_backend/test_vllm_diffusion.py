@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from steadyrl.rollout.arith import TOKENIZER
-from steadyrl.rollout.block_diffusion_lm import (BlockDiffusionLMConfig, block_logits, build_block_diffusion_lm,
-                                                 write_block_diffusion_checkpoint)
+from steadyrl.rollout.block_diffusion_lm import BlockDiffusionLMConfig, block_logits, build_block_diffusion_lm
+from steadyrl.rollout.causal_lm import write_hf_checkpoint
 from steadyrl.rollout.config import BlockDiffusionSamplerConfig
 from steadyrl.rollout.vllm_diffusion import (VLLMBlockDiffusionEngine, engine_options, generation_config,
                                              request_options)
@@ -29,8 +29,7 @@ CFG = BlockDiffusionSamplerConfig(gen_length=8, canvas_length=4, num_steps=6, en
 def checkpoint(tmp_path_factory):
     torch.manual_seed(0)
     net = build_block_diffusion_lm(BlockDiffusionLMConfig(), len(TOKENIZER), PAD, EOS, CFG.block).eval()
-    return net, write_block_diffusion_checkpoint(net, tmp_path_factory.mktemp("tiny-diffusiongemma"),
-                                                 generation_config(CFG))
+    return net, write_hf_checkpoint(net, tmp_path_factory.mktemp("tiny-diffusiongemma"), generation_config(CFG))
 
 
 def vllm_source(module: str) -> str:
