@@ -57,8 +57,10 @@ def one_run(label: str, method: str, seed: int, overrides: list[str], run_dir: P
     if stopped is not None:
         evals = [e for e in evals if e["step"] < stopped] + [{"step": stopped, "held_out": 0.0,
                                                               "nonfinite_weights": True}]
+    events = {name: [json.loads(line) for line in (result.run_dir / f"{name}.jsonl").read_text().splitlines()]
+              if (result.run_dir / f"{name}.jsonl").exists() else [] for name in ("rollbacks", "anomalies")}
     return {"method": label, "objective": method, "seed": seed, "overrides": overrides,
-            "wall_s": time.perf_counter() - t0, "rows": rows, "evals": evals, "stopped_at": stopped}
+            "wall_s": time.perf_counter() - t0, "rows": rows, "evals": evals, "stopped_at": stopped, **events}
 
 
 def warm_caches(cfg: Any) -> None:

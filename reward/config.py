@@ -17,6 +17,7 @@ from steadyrl.reward.base import RewardModel
 from steadyrl.reward.classifiers import ClassifierSpec, DigitClassifierReward, load_classifier
 from steadyrl.reward.ensemble_spec import EnsembleSpec
 from steadyrl.reward.factory import JpegSpec, RewardSpec, build_reward_model
+from steadyrl.reward.weighting import WEIGHTED, RewardWeighting
 from steadyrl.rollout.config import StrictModel
 
 
@@ -39,8 +40,11 @@ class RewardConfig(StrictModel):
     members: list[ClassifierSpec] = Field(default_factory=_default_members)
     gold: ClassifierSpec = Field(default_factory=_default_gold)
     jpeg: bool = Field(False, description="add the JPEG-compressibility reward as a member")
-    train_on: str = Field("cnn", description="member name, or 'mean' for the ensemble mean")
+    train_on: str = Field("cnn", description="member name, 'mean' for the ensemble mean, or 'weighted' (`weighting`)")
     feature_model: str = Field("cnn", description="member whose features measure diversity")
+    weighting: RewardWeighting | None = Field(
+        None, description="with train_on 'weighted': the members' weights (never the gold classifier's) and the "
+        "normalisation mode, sum or per_reward (reward/weighting.py)")
     min_proxy_accuracy: float = Field(0.9, ge=0, le=1)
     min_gold_accuracy: float = Field(0.97, ge=0, le=1)
 
@@ -51,7 +55,7 @@ class RewardConfig(StrictModel):
     def ensemble_spec(self) -> EnsembleSpec:
         """The classifier ensemble with the gold classifier watching (its top-1 verdict is the accuracy)."""
         return EnsembleSpec(members=self.member_specs(), monitors=[self.gold], train_on=self.train_on,
-                            feature_model=self.feature_model, correct=[self.gold.name])
+                            feature_model=self.feature_model, correct=[self.gold.name], weighting=self.weighting)
 
     @model_validator(mode="after")
     def _names(self) -> "RewardConfig":
@@ -60,11 +64,23 @@ class RewardConfig(StrictModel):
             raise ValueError(f"reward model names must be unique (members {names}, gold {self.gold.name!r})")
         if self.gold.split != "gold" or any(m.split == "gold" for m in self.members):
             raise ValueError("the gold classifier must train on split 'gold' and no member may")
-        if self.train_on != "mean" and self.train_on not in names:
-            raise ValueError(f"train_on={self.train_on!r} must be 'mean' or one of {names}")
+        check_weighting(self.train_on, self.weighting, names, [self.gold.name])
+        if self.weighting is None and self.train_on != "mean" and self.train_on not in names:
+            raise ValueError(f"train_on={self.train_on!r} must be 'mean', 'weighted' or one of {names}")
         if self.feature_model not in [m.name for m in self.members]:
             raise ValueError(f"feature_model={self.feature_model!r} must be a classifier member")
         return self
+
+
+def check_weighting(train_on: str, weighting: RewardWeighting | None, trained: list[str], monitors: list[str]) -> None:
+    """train_on 'weighted' and a weighting go together; the weights name trained models only."""
+    if train_on == WEIGHTED and weighting is None:
+        raise ValueError(f"reward.train_on={WEIGHTED!r} needs reward.weighting (the trained models' weights)")
+    if weighting is not None and train_on != WEIGHTED:
+        raise ValueError(f"reward.weighting is set but reward.train_on={train_on!r}: set train_on: {WEIGHTED} to "
+                         "train on the weighted rewards")
+    if weighting is not None:
+        weighting.check_names(trained, monitors)
 
 
 IMAGE_KINDS = ("jpeg", "clip_score", "aesthetic", "preference")  # score images [B,3,H,W] given B prompt strings
@@ -87,11 +103,14 @@ class ImageRewardConfig(StrictModel):
     monitor_only: list[str] = Field(
         default_factory=list, description="names among `models` that are scored and logged but never trained on "
         "(held-out monitors); at least one model must remain trained")
-    train_on: str = Field("mean", description="'mean' of the trained (not monitor-only) models, or one trained "
-                          "model's name")
+    train_on: str = Field("mean", description="'mean' of the trained (not monitor-only) models, one trained "
+                          "model's name, or 'weighted' (`weighting`)")
     feature_model: str | None = Field(
         None, description="a trained CLIP-based model (clip_score, aesthetic, preference) whose image embeddings "
         "feed the diversity metric; None: the first trained model that has features, else no features")
+    weighting: RewardWeighting | None = Field(
+        None, description="with train_on 'weighted': the trained models' weights (never a monitor-only model's) "
+        "and the normalisation mode, sum or per_reward (reward/weighting.py)")
 
     @field_validator("models")
     @classmethod
@@ -127,7 +146,7 @@ class ImageRewardConfig(StrictModel):
     @field_validator("train_on")
     @classmethod
     def _train_on(cls, v: str, info: ValidationInfo) -> str:
-        if "models" not in info.data or "monitor_only" not in info.data or v == "mean":
+        if "models" not in info.data or "monitor_only" not in info.data or v in ("mean", WEIGHTED):
             return v
         monitors = info.data["monitor_only"]
         trained = [m.name for m in info.data["models"] if m.name not in monitors]
@@ -154,6 +173,11 @@ class ImageRewardConfig(StrictModel):
                              "that can enter the training signal (GARDO), so it must be a trained model")
         return v
 
+    @model_validator(mode="after")
+    def _weighting(self) -> "ImageRewardConfig":
+        check_weighting(self.train_on, self.weighting, [m.name for m in self.trained_specs()], self.monitor_only)
+        return self
+
     def model_names(self) -> list[str]:
         return [m.name for m in self.models]
 
@@ -174,18 +198,19 @@ class ImageRewardConfig(StrictModel):
     def ensemble_spec(self) -> EnsembleSpec:
         """The trained models as members, the monitor-only ones watching (no verdicts: scores only)."""
         return EnsembleSpec(members=self.trained_specs(), monitors=self.monitor_specs(), train_on=self.train_on,
-                            feature_model=self.feature_model_name())
+                            feature_model=self.feature_model_name(), weighting=self.weighting)
 
 
 def build_reward_models(cfg: RewardConfig) -> tuple[list[RewardModel], list[RewardModel], str]:
     """(members, monitors, feature model name); trains and caches classifiers that are missing.
 
-    The training reward (the `train_on` member, or every member for 'mean') must reach
+    The training reward (the `train_on` member, every member for 'mean', the weighted ones for 'weighted') must reach
     `min_proxy_accuracy` on held-out real digits and the gold classifier `min_gold_accuracy`.
     """
     members: list[RewardModel] = [build_reward_model(spec) for spec in cfg.member_specs()]
     gold = build_reward_model(cfg.gold)
-    proxies = [m for m in members if cfg.train_on in ("mean", m.name)]
+    proxies = [m for m in members if cfg.train_on in ("mean", m.name)
+               or (cfg.weighting is not None and cfg.weighting.weights.get(m.name, 0.0) > 0)]
     checks = [(m, cfg.min_proxy_accuracy) for m in proxies if isinstance(m, DigitClassifierReward)]
     for m, need in checks + [(gold, cfg.min_gold_accuracy)]:
         if m.accuracy is not None and m.accuracy < need:
@@ -196,9 +221,12 @@ def build_reward_models(cfg: RewardConfig) -> tuple[list[RewardModel], list[Rewa
 
 def differentiable_train_reward(cfg: RewardConfig) -> Callable[[Tensor, Tensor], Tensor]:
     """The training reward as a differentiable function (x_0, cond) -> [B], for reward back-propagation:
-    the `train_on` classifier's probability of the requested digit, or the mean over classifier members."""
-    names = [m.name for m in cfg.members] if cfg.train_on == "mean" else [cfg.train_on]
-    specs = [m for m in cfg.members if m.name in names]
+    the `train_on` classifier's probability of the requested digit, the mean over classifier members, or
+    (train_on 'weighted') sum_k w_k r_k over the weighted members with the normalised weights w_k."""
+    weights = cfg.weighting.normalised() if cfg.weighting is not None else None
+    names = ([m.name for m in cfg.members] if cfg.train_on == "mean" else
+             list(weights) if weights is not None else [cfg.train_on])
+    specs = [next(m for m in cfg.members if m.name == n) for n in names if any(m.name == n for m in cfg.members)]
     if len(specs) != len(names):  # 'jpeg_compressibility' has no gradient
         raise ValueError(f"reward.train_on={cfg.train_on!r}: reward back-propagation needs differentiable "
                          f"(classifier) rewards, got {names}")
@@ -207,7 +235,11 @@ def differentiable_train_reward(cfg: RewardConfig) -> Callable[[Tensor, Tensor],
         m.model.requires_grad_(False)
 
     def reward(samples: Tensor, cond: Tensor) -> Tensor:
-        return torch.stack([m.differentiable_score(samples, cond) for m in models]).mean(dim=0)
+        scores = torch.stack([m.differentiable_score(samples, cond) for m in models])
+        if weights is None:
+            return scores.mean(dim=0)
+        w = torch.tensor([weights[n] for n in names], dtype=scores.dtype, device=scores.device)
+        return (w[:, None] * scores).sum(dim=0)  # r = sum_k w_k r_k
 
     return reward
 

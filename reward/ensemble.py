@@ -14,12 +14,14 @@ import torch
 from torch import Tensor
 
 from steadyrl.reward.base import RewardModel, check_scores
+from steadyrl.reward.weighting import WEIGHTED, WEIGHTING_KEY, RewardWeighting
 from steadyrl.rollout.batch import RolloutBatch
 
 
 @dataclass
 class EnsembleScores:
-    """Scores of one batch. `reward` is the training reward (`train_on`: a member name or 'mean')."""
+    """Scores of one batch. `reward` is the training reward (`train_on`: a member name, 'mean', or 'weighted':
+    sum_k w_k r_k with the `weighting`'s normalised weights)."""
 
     names: list[str]
     scores: Tensor  # [B,K]
@@ -30,6 +32,7 @@ class EnsembleScores:
     train_on: str
     monitors: dict[str, Tensor] = field(default_factory=dict)  # never used for training
     features: Tensor | None = None
+    weighting: RewardWeighting | None = None
 
 
 def normalised_ranks(scores: Tensor, group: Tensor) -> Tensor:
@@ -52,17 +55,24 @@ def rank_disagreement(scores: Tensor, group: Tensor | None = None) -> Tensor:
 
 
 def combine_scores(
-    names: Sequence[str], scores: Tensor, group: Tensor | None, train_on: str
+    names: Sequence[str], scores: Tensor, group: Tensor | None, train_on: str,
+    weighting: RewardWeighting | None = None,
 ) -> EnsembleScores:
-    """Mean, spread, uncertainty and the training reward from per-model scores [B,K]."""
+    """Mean, spread, uncertainty and the training reward from per-model scores [B,K] (train_on 'weighted':
+    r = sum_k w_k r_k, `weighting.combine`)."""
     names = list(names)
-    if train_on != "mean" and train_on not in names:
+    if (train_on == WEIGHTED) != (weighting is not None):
+        raise ValueError(f"train_on={train_on!r}: train_on 'weighted' and a weighting go together")
+    if train_on not in ("mean", WEIGHTED) and train_on not in names:
         raise ValueError(f"train_on={train_on!r} is neither 'mean' nor one of the members {names}")
     mean = scores.mean(dim=1)
-    reward = mean if train_on == "mean" else scores[:, names.index(train_on)]
+    if weighting is not None:
+        reward = weighting.combine(names, scores)
+    else:
+        reward = mean if train_on == "mean" else scores[:, names.index(train_on)]
     return EnsembleScores(
         names=names, scores=scores, mean=mean, std=scores.std(dim=1, unbiased=False),
-        uncertainty=rank_disagreement(scores, group), reward=reward, train_on=train_on,
+        uncertainty=rank_disagreement(scores, group), reward=reward, train_on=train_on, weighting=weighting,
     )
 
 
@@ -76,21 +86,25 @@ class RewardEnsemble:
         monitors: Sequence[RewardModel] = (),
         feature_model: RewardModel | None = None,
         correct: Sequence[str] = (),
+        weighting: RewardWeighting | None = None,
     ):
-        """`correct`: the monitors whose 0/1 verdict is reported as `<name>_correct` (`monitor_scores`)."""
+        """`correct`: the monitors whose 0/1 verdict is reported as `<name>_correct` (`monitor_scores`);
+        `weighting`: the members' weights when `train_on` is 'weighted'."""
         if not members:
             raise ValueError("an ensemble needs at least one member")
         self.members = list(members)
         self.monitors = list(monitors)
         self.correct = tuple(correct)
         self.train_on = train_on
+        self.weighting = weighting
         self.feature_model = feature_model
         self.name = "ensemble"
 
     def score_all(self, samples: Tensor, cond: Tensor, group: Tensor | None = None) -> EnsembleScores:
         B = samples.shape[0]
         cols = [check_scores(m.name, m.score(samples, cond), B) for m in self.members]
-        out = combine_scores([m.name for m in self.members], torch.stack(cols, dim=1), group, self.train_on)
+        out = combine_scores([m.name for m in self.members], torch.stack(cols, dim=1), group, self.train_on,
+                             self.weighting)
         out.monitors = monitor_scores(self.monitors, samples, cond, self.correct)
         if self.feature_model is not None:
             out.features = self.feature_model.features(samples)  # type: ignore[attr-defined]
@@ -113,8 +127,13 @@ def monitor_scores(monitors: Sequence[RewardModel], samples: Tensor, cond: Tenso
 
 
 def attach_scores(batch: RolloutBatch, scores: EnsembleScores) -> RolloutBatch:
-    """The batch with its rewards (every member's column plus `mean`; `train_on` is the training
-    column), uncertainty and features filled in from the ensemble's scores."""
+    """The batch with its rewards (every member's column plus `mean`, and `weighted` under a weighting, whose
+    settings then travel in `batch.meta` for the learner's advantages; `train_on` is the training column),
+    uncertainty and features filled in from the ensemble's scores."""
     rewards = torch.cat([scores.scores, scores.mean[:, None]], dim=1)
-    return batch.replace(rewards=rewards, reward_names=scores.names + ["mean"], reward_key=scores.train_on,
+    names, meta = scores.names + ["mean"], batch.meta
+    if scores.weighting is not None:
+        rewards = torch.cat([rewards, scores.reward[:, None]], dim=1)
+        names, meta = names + [WEIGHTED], {**meta, WEIGHTING_KEY: scores.weighting}
+    return batch.replace(rewards=rewards, reward_names=names, reward_key=scores.train_on, meta=meta,
                          uncertainty=scores.uncertainty, features=scores.features)

@@ -12,6 +12,7 @@ from pydantic import Field, model_validator
 
 from steadyrl.reward.ensemble import RewardEnsemble
 from steadyrl.reward.factory import RewardSpec, build_reward_model
+from steadyrl.reward.weighting import WEIGHTED, RewardWeighting
 from steadyrl.rollout.config import StrictModel
 
 
@@ -21,17 +22,24 @@ class EnsembleSpec(StrictModel):
 
     members: list[RewardSpec] = Field(min_length=1, description="the ensemble's models, in column order")
     monitors: list[RewardSpec] = Field(default_factory=list, description="scored and logged, never the reward")
-    train_on: str = Field(description="a member's name, or 'mean' of the members")
+    train_on: str = Field(description="a member's name, 'mean' of the members, or 'weighted' (`weighting`)")
     feature_model: str | None = Field(None, description="a member whose `features` measure diversity")
     correct: list[str] = Field(default_factory=list, description="monitors whose 0/1 verdict (`correct`) is "
                                "reported as `<name>_correct` (a gold classifier's top-1, a verifier's exact match)")
+    weighting: RewardWeighting | None = Field(
+        None, description="train_on 'weighted': the members' weights and normalisation (reward/weighting.py)")
 
     @model_validator(mode="after")
     def _names(self) -> "EnsembleSpec":
         members, monitors = self.member_names(), [m.name for m in self.monitors]
         if len(set(members + monitors)) != len(members + monitors):
             raise ValueError(f"reward model names must be unique (members {members}, monitors {monitors})")
-        if self.train_on != "mean" and self.train_on not in members:
+        if (self.train_on == WEIGHTED) != (self.weighting is not None):
+            raise ValueError(f"train_on={self.train_on!r} and weighting={self.weighting}: train_on 'weighted' and a "
+                             "weighting go together")
+        if self.weighting is not None:
+            self.weighting.check_names(members, monitors)
+        elif self.train_on != "mean" and self.train_on not in members:
             raise ValueError(f"train_on={self.train_on!r} must be 'mean' or one of the members {members}")
         if self.feature_model is not None and self.feature_model not in members:
             raise ValueError(f"feature_model={self.feature_model!r} must be one of the members {members}")
@@ -47,4 +55,5 @@ class EnsembleSpec(StrictModel):
         members = [build_reward_model(spec) for spec in self.members]
         monitors = [build_reward_model(spec) for spec in self.monitors]
         feature = None if self.feature_model is None else members[self.member_names().index(self.feature_model)]
-        return RewardEnsemble(members, self.train_on, monitors, feature, correct=self.correct)
+        return RewardEnsemble(members, self.train_on, monitors, feature, correct=self.correct,
+                              weighting=self.weighting)

@@ -29,7 +29,8 @@ from torch import Tensor
 
 from steadyrl.rollout.batch import BEHAVIOUR_ENGINE, BEHAVIOUR_TOKEN_LOGP, RolloutBatch
 from steadyrl.rollout.config import AutoregressiveSamplerConfig
-from steadyrl.rollout.likelihood import SequenceLogProb, completion_valid, k3_kl, prompt_attention
+from steadyrl.rollout.likelihood import (SequenceLogProb, completion_valid, entropy_of, k3_kl, mean_over,
+                                         prompt_attention)
 from steadyrl.rollout.masked_diffusion import gumbel_argmax
 from steadyrl.rollout.policy import module_device
 from steadyrl.rollout.sampler import LogProb
@@ -169,9 +170,10 @@ class AutoregressiveSampler:
                             extras={BEHAVIOUR_TOKEN_LOGP: token_logp,
                                     BEHAVIOUR_ENGINE: torch.full((len(prompts),), bool(backend.engine))})
 
-    def log_prob(self, policy, batch: RolloutBatch, step: Tensor | int = 0) -> SequenceLogProb:
+    def log_prob(self, policy, batch: RolloutBatch, step: Tensor | int = 0, entropy: bool = False) -> SequenceLogProb:
         """The exact log-likelihood [B] of the stored completions under `policy` (one forward pass over
-        [prompt | completion]), with its per-token terms; `step` is always the one likelihood."""
+        [prompt | completion]), with its per-token terms; `step` is always the one likelihood. With `entropy`, each
+        row's mean entropy of softmax(logits / T) over V (the scored positions), from the same pass."""
         prompts, completion = batch.cond, batch.samples
         P = prompts.shape[1]
         attention = self.attention(prompts)
@@ -179,11 +181,12 @@ class AutoregressiveSampler:
         if attention is not None:
             att[:, :P] = attention.long()
         logits = policy(torch.cat([prompts, completion], dim=1), attention_mask=att, position_ids=positions(att)).logits
-        token_logp = scaled_log_softmax(logits[:, P - 1:-1], self.cfg.temperature).gather(
-            -1, completion.unsqueeze(-1)).squeeze(-1)
+        logp = scaled_log_softmax(logits[:, P - 1:-1], self.cfg.temperature)
+        token_logp = logp.gather(-1, completion.unsqueeze(-1)).squeeze(-1)
         valid = self.valid(completion)
         token_logp = token_logp * valid
-        return SequenceLogProb(self.reduced(token_logp, valid), token_logp, valid, valid)
+        ent = mean_over(entropy_of(logp), valid) if entropy else None
+        return SequenceLogProb(self.reduced(token_logp, valid), token_logp, valid, valid, ent)
 
     def kl(self, new: LogProb, ref: LogProb) -> Tensor:
         """k3 estimate of KL(pi_theta || pi_ref) per sample (`likelihood.k3_kl`)."""

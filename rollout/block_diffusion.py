@@ -47,8 +47,8 @@ from steadyrl.rollout.autoregressive import Generated
 from steadyrl.rollout.batch import COMMIT_LOGP, RolloutBatch
 from steadyrl.rollout.block_diffusion_lm import block_logits
 from steadyrl.rollout.config import BlockDiffusionSamplerConfig
-from steadyrl.rollout.likelihood import (SequenceLogProb, completion_valid, draw_masks, k3_kl, masked_estimate,
-                                         prompt_attention)
+from steadyrl.rollout.likelihood import (SequenceLogProb, completion_valid, draw_masks, entropy_of, k3_kl,
+                                         masked_estimate, mean_over, prompt_attention)
 from steadyrl.rollout.masked_diffusion import gumbel_argmax
 from steadyrl.rollout.policy import module_device
 from steadyrl.rollout.sampler import LogProb
@@ -232,8 +232,9 @@ class BlockDiffusionSampler:
         device = batch.samples.device
         return batch.with_extras(mc_masks=masks.to(device), mc_noise=noise.to(device))
 
-    def log_prob(self, policy, batch: RolloutBatch, step: Tensor | int) -> SequenceLogProb:
-        """The estimator at draw(s) `step` (int or [B]) of each row: logp [B] and its per-token terms."""
+    def log_prob(self, policy, batch: RolloutBatch, step: Tensor | int, entropy: bool = False) -> SequenceLogProb:
+        """The estimator at draw(s) `step` (int or [B]) of each row: logp [B] and its per-token terms; with
+        `entropy`, each row's mean token entropy over its scored (masked, valid) positions, from the same passes."""
         prompts, y = batch.cond, batch.samples
         device, (B, L), CL = y.device, y.shape, self.cfg.block
         if isinstance(step, int):
@@ -245,6 +246,7 @@ class BlockDiffusionSampler:
         prompt_att = self.attention(prompts)
         prompt_att = torch.ones_like(prompts, dtype=torch.bool) if prompt_att is None else prompt_att
         token_logp = torch.zeros(B, L, device=device)
+        token_ent = torch.zeros(B, L, device=device) if entropy else None
         value = torch.zeros(B, device=device)
         for s in range(0, L, CL):
             m, v = masks[:, s:s + CL], valid[:, s:s + CL]
@@ -258,13 +260,18 @@ class BlockDiffusionSampler:
                 with torch.no_grad():
                     guess = block_logits(policy, prefix, att, canvas)
             logits = block_logits(policy, prefix, att, canvas, guess)
-            lp = torch.log_softmax(logits, dim=-1).gather(-1, y[:, s:s + CL].unsqueeze(-1)).squeeze(-1)
+            logp = torch.log_softmax(logits, dim=-1)
+            lp = logp.gather(-1, y[:, s:s + CL].unsqueeze(-1)).squeeze(-1)
             token_logp = token_logp.to(lp.dtype)
             token_logp[:, s:s + CL] = lp * m
+            if token_ent is not None:
+                token_ent = token_ent.to(lp.dtype)
+                token_ent[:, s:s + CL] = entropy_of(logp)
             value = value.to(lp.dtype) + masked_estimate(lp, m, v.sum(dim=-1))
         if self.reduce == "mean":
             value = value / valid.sum(dim=-1).clamp(min=1)
-        return SequenceLogProb(value, token_logp, masks, valid)
+        ent = None if token_ent is None else mean_over(token_ent, masks)
+        return SequenceLogProb(value, token_logp, masks, valid, ent)
 
     def kl(self, new: LogProb, ref: LogProb) -> Tensor:
         """k3 estimate of KL(pi_theta || pi_ref) per sample (`likelihood.k3_kl`)."""

@@ -215,12 +215,33 @@ def token_log_probs(model, prompt: Tensor, completion: Tensor, completion_mask: 
                     valid: Tensor | None = None) -> Tensor:
     """log p(y_i | masked input) [B, L] at every completion position from one (guided) forward pass; positions
     outside `valid` (after the first EOS) are masked in the input."""
+    return token_terms(model, prompt, completion, completion_mask, prompt_mask, mask_token_id, cfg_scale, attention,
+                       valid)[0]
+
+
+def token_terms(model, prompt: Tensor, completion: Tensor, completion_mask: Tensor, prompt_mask: Tensor,
+                mask_token_id: int, cfg_scale: float = 0.0, attention: Tensor | None = None,
+                valid: Tensor | None = None, entropy: bool = False) -> tuple[Tensor, Tensor | None]:
+    """`token_log_probs` and, with `entropy`, the per-position entropy [B, L] of the same distribution (`entropy_of`)
+    from the same forward pass (None without)."""
     hidden = completion_mask if valid is None else completion_mask | ~valid
     inputs = torch.cat([prompt.masked_fill(prompt_mask, mask_token_id),
                         completion.masked_fill(hidden, mask_token_id)], dim=1)
     logits = guided_logits(model, inputs, prompt.shape[1], mask_token_id, cfg_scale, attention)[:, prompt.shape[1]:]
     logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # a bf16 model's log-probs in float32
-    return torch.log_softmax(logits, dim=-1).gather(-1, completion.unsqueeze(-1)).squeeze(-1)
+    logp = torch.log_softmax(logits, dim=-1)
+    tok = logp.gather(-1, completion.unsqueeze(-1)).squeeze(-1)
+    return tok, (entropy_of(logp) if entropy else None)
+
+
+def entropy_of(log_probs: Tensor) -> Tensor:
+    """H = -sum_v p_v log p_v over the last (vocabulary) dimension of log-probs [..., V] -> [...], with grad."""
+    return -(log_probs.exp() * log_probs).sum(dim=-1)
+
+
+def mean_over(values: Tensor, positions: Tensor) -> Tensor:
+    """sum_{t in S} values_t / max(|S|, 1) per row [B]: the mean of [B, L] `values` over the positions S [B, L]."""
+    return (values * positions).sum(dim=-1) / positions.sum(dim=-1).clamp(min=1).to(values.dtype)
 
 
 def masked_estimate(token_logp: Tensor, mask: Tensor, length: Tensor | int | None = None) -> Tensor:
@@ -247,6 +268,9 @@ class SequenceLogProb(LogProb):
     token_logp: Tensor
     mask: Tensor
     valid: Tensor
+    # with `log_prob(..., entropy=True)`: each row's mean per-token entropy [B] of the scored distribution over the
+    # positions this estimate scores (the sampler says which), with grad; None otherwise
+    entropy: Tensor | None = None
 
     @property
     def lengths(self) -> Tensor:
@@ -256,25 +280,29 @@ class SequenceLogProb(LogProb):
 
 def estimate(model, estimator: Estimator, prompt: Tensor, completion: Tensor, masks: MaskDraw | tuple[Tensor, Tensor],
              mask_token_id: int, reduce: str, cfg_scale: float = 0.0, attention: Tensor | None = None,
-             valid: Tensor | None = None) -> SequenceLogProb:
+             valid: Tensor | None = None, entropy: bool = False) -> SequenceLogProb:
     """The estimator's value for one MC sample per row; `masks` = (completion [B, L], prompt [B, P]);
     `cfg_scale`: the sampler's classifier-free guidance, applied to every pass (`guided_logits`); `attention`
     [B, P]: the prompts' padding mask (None: unpadded); `valid` [B, L]: positions up to the first EOS (None:
-    all)."""
+    all). With `entropy`, also each row's mean entropy over the scored positions S, from the same passes:
+    S = M & V (elbo, one_step), S = (M | M^c) & V = V (coupled, each position's from the pass where it was masked)."""
     cmask, pmask = (masks.completion, masks.prompt) if isinstance(masks, MaskDraw) else masks
     if valid is None:
         valid = torch.ones_like(completion, dtype=torch.bool)
     cmask = cmask & valid
     length = valid.sum(-1)
-    tok = token_log_probs(model, prompt, completion, cmask, pmask, mask_token_id, cfg_scale, attention, valid)
+    tok, ent = token_terms(model, prompt, completion, cmask, pmask, mask_token_id, cfg_scale, attention, valid, entropy)
+    scored = cmask
     if estimator == "coupled":
         partner = torch.where((cmask == valid).all(-1, keepdim=True), cmask, ~cmask & valid)
-        tok_partner = token_log_probs(model, prompt, completion, partner, pmask, mask_token_id, cfg_scale,
-                                      attention, valid)
+        tok_partner, ent_partner = token_terms(model, prompt, completion, partner, pmask, mask_token_id, cfg_scale,
+                                               attention, valid, entropy)
         value = 0.5 * (masked_estimate(tok, cmask, length) + masked_estimate(tok_partner, partner, length))
         tok = torch.where(cmask, tok, tok_partner)  # each token from the pass where it was masked
+        ent = None if ent is None else torch.where(cmask, ent, ent_partner)
+        scored = cmask | partner
     else:
         value = masked_estimate(tok, cmask, length)
     if reduce == "mean":
         value = value / length
-    return SequenceLogProb(value, tok, cmask, valid)
+    return SequenceLogProb(value, tok, cmask, valid, None if ent is None else mean_over(ent, scored))

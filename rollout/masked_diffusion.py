@@ -182,16 +182,17 @@ class MaskedDiffusionSampler:
         return draw_masks(c.estimator, batch_size, c.mc_samples, c.gen_length, prompt_length, c.prompt_mask_prob,
                           generator, c.mask_scheme, c.block_length, valid)
 
-    def log_prob(self, policy, batch: RolloutBatch, step: Tensor | int) -> SequenceLogProb:
+    def log_prob(self, policy, batch: RolloutBatch, step: Tensor | int, entropy: bool = False) -> SequenceLogProb:
         """The estimator at MC sample(s) `step` (int or [B]) of each row, with the batch's stored masks:
-        logp [B] and the per-token terms it was built from."""
+        logp [B] and the per-token terms it was built from; with `entropy`, each row's mean token entropy over the
+        scored positions (`likelihood.estimate`)."""
         device = batch.samples.device
         if isinstance(step, int):
             step = torch.full((len(batch),), step, dtype=torch.long)
         rows, step = torch.arange(len(batch), device=device), step.to(device)
         masks = (batch.extras["mc_masks"][rows, step], batch.extras["prompt_masks"][rows, step])
         return estimate(policy, self.cfg.estimator, batch.cond, batch.samples, masks, self.mask_token_id, self.reduce,
-                        self.cfg.cfg_scale, self.attention(batch.cond), self.valid(batch.samples))
+                        self.cfg.cfg_scale, self.attention(batch.cond), self.valid(batch.samples), entropy)
 
     def kl(self, new: LogProb, ref: LogProb) -> Tensor:
         """k3 estimate of KL(pi_theta || pi_ref) per sample (`likelihood.k3_kl`)."""

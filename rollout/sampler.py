@@ -121,8 +121,10 @@ class SequenceSampler(Sampler, Protocol):
     """A sequence-level sampler (masked diffusion): `log_prob` is one MC sample of the sequence likelihood and
     the MC masks may be redrawn for the new policy."""
 
-    def log_prob(self, policy: nn.Module, batch: RolloutBatch, step: Tensor | int) -> SequenceLogProb:
-        """The estimator at MC sample(s) `step`: logp [B] and its per-token terms."""
+    def log_prob(self, policy: nn.Module, batch: RolloutBatch, step: Tensor | int,
+                 entropy: bool = False) -> SequenceLogProb:
+        """The estimator at MC sample(s) `step`: logp [B] and its per-token terms; with `entropy`, also each row's
+        mean token entropy over the scored positions (`SequenceLogProb.entropy`, for the entropy bonus)."""
 
     @property
     def independent_masks(self) -> bool:

@@ -67,3 +67,28 @@ def resume_hint(run_dir: Path) -> str:
 def rollout_weights_file(version: int) -> str:
     """A checkpoint's file of the weights in-flight rollouts were launched with."""
     return f"rollout_policy_v{version}.safetensors"
+
+
+def checkpoint_steps(run_dir: Path) -> list[int]:
+    """The steps of the run's whole checkpoints (`checkpoints/step_N`), ascending."""
+    root = Path(run_dir) / CHECKPOINTS
+    if not root.exists():
+        return []
+    return sorted(int(p.name[len("step_"):]) for p in root.glob("step_*") if p.name[len("step_"):].isdigit()
+                  and (p / CONTROLLER_STATE).exists())
+
+
+def checkpoint_before(run_dir: Path, step: int) -> Path | None:
+    """The newest checkpoint of a step before `step` (a rollback's target), or None."""
+    earlier = [s for s in checkpoint_steps(run_dir) if s < step]
+    return Path(run_dir) / CHECKPOINTS / f"step_{earlier[-1]}" if earlier else None
+
+
+def drop_checkpoints_after(run_dir: Path, step: int) -> None:
+    """A rollback to checkpoint `step`: `latest` points to it and the checkpoints after it (weights the run
+    abandoned) are removed, so a resume continues from the rollback."""
+    root = Path(run_dir) / CHECKPOINTS
+    write_text_atomically(root / "latest", f"step_{step}")
+    for s in checkpoint_steps(run_dir):
+        if s > step:
+            shutil.rmtree(root / f"step_{s}")

@@ -180,5 +180,79 @@ def eval_cmd(
                   f"samples: {Path(res['checkpoint']).parents[1] / ('eval_' + Path(res['checkpoint']).name)}/")
 
 
+def _hacking_rule(min_proxy_gain: float, min_gold_drop: float, max_diversity_drop: float):
+    """The verdict's thresholds from the command line; a bad one fails naming its option."""
+    from pydantic import ValidationError
+
+    from steadyrl.services.run_folder import HackingRule
+
+    try:
+        return HackingRule(min_proxy_gain=min_proxy_gain, min_gold_drop=min_gold_drop,
+                           max_diversity_drop=max_diversity_drop)
+    except ValidationError as err:
+        e = err.errors()[0]
+        _fail(f"--{e['loc'][0].replace('_', '-')}: {e['msg']} ({e['input']!r})")
+
+
+_PROXY_GAIN = typer.Option(0.02, help="verdict: proxy rise since the base eval that, with the gold drop, "
+                           "flags reward hacking")
+_GOLD_DROP = typer.Option(0.02, help="verdict: held-out (gold) drop since the base eval that, with the proxy rise, "
+                          "flags reward hacking")
+_DIVERSITY_DROP = typer.Option(0.5, help="verdict: relative fall of nearest-neighbour diversity that flags it alone")
+
+
+@app.command("inspect")
+def inspect_cmd(
+    run_dir: Path = typer.Argument(..., help="a run folder written by `steadyrl train`"),
+    out: Optional[Path] = typer.Option(None, help="where dashboard.png and report.html go (default RUN_DIR/report)"),
+    min_proxy_gain: float = _PROXY_GAIN, min_gold_drop: float = _GOLD_DROP,
+    max_diversity_drop: float = _DIVERSITY_DROP,
+) -> None:
+    """Key metrics, base vs final eval, rollbacks/anomalies and the reward-hacking verdict as tables; the
+    training-health dashboard (PNG) and a one-page HTML report."""
+    from steadyrl.services.inspection import inspect_run, inspection_tables
+    from steadyrl.services.run_folder import NotARunFolder
+
+    rule = _hacking_rule(min_proxy_gain, min_gold_drop, max_diversity_drop)
+    try:
+        ins = inspect_run(run_dir, out, rule)
+    except NotARunFolder as err:
+        _fail(str(err))
+    for table in inspection_tables(ins):
+        console.print(table)
+    console.print(f"events: {len(ins.run.rollbacks)} rollback(s), {len(ins.run.anomalies)} anomaly event(s)")
+    colour = {None: "yellow", True: "red", False: "green"}[ins.verdict.suspected]
+    console.print(f"[bold {colour}]{ins.verdict.text}[/]", soft_wrap=True)
+    console.print(f"rule: {ins.verdict.rule}", soft_wrap=True, highlight=False)
+    console.print(f"dashboard: {ins.dashboard or '(nothing to plot yet)'}\nreport:    {ins.report}", soft_wrap=True)
+
+
+@app.command("compare")
+def compare_cmd(
+    run_dirs: list[Path] = typer.Argument(..., help="two or more run folders"),
+    out: Path = typer.Option(Path("compare"), help="where compare.png goes"),
+    metric: Optional[list[str]] = typer.Option(None, help="a metrics.jsonl key (or eval/<field> of evals.json) to "
+                                               "overlay; repeat for more (default: proxy and gold rewards, eval "
+                                               "gold, KL to the reference, diversity, gradient norm)"),
+    min_proxy_gain: float = _PROXY_GAIN, min_gold_drop: float = _GOLD_DROP,
+    max_diversity_drop: float = _DIVERSITY_DROP,
+) -> None:
+    """Overlay the curves of several runs (labelled by folder name) in one PNG, and tabulate their final values."""
+    from steadyrl.services.inspection import compare_runs, comparison_table
+    from steadyrl.services.run_folder import NotARunFolder
+
+    rule = _hacking_rule(min_proxy_gain, min_gold_drop, max_diversity_drop)
+    if len(run_dirs) < 2:
+        _fail("compare needs at least two run folders")
+    try:
+        cmp = compare_runs(run_dirs, out, metric)
+    except NotARunFolder as err:
+        _fail(str(err))
+    except KeyError as err:
+        _fail(err.args[0])
+    console.print(comparison_table(cmp, rule))
+    console.print(f"figure: {cmp.figure}", soft_wrap=True)
+
+
 if __name__ == "__main__":
     app()

@@ -7,11 +7,13 @@ from typing import Annotated, Any, Literal, Union
 
 import yaml
 
-from pydantic import Field, PrivateAttr, ValidationError, model_validator
+from pydantic import Field, PrivateAttr, ValidationError, field_validator, model_validator
 
 from steadyrl.rollout.config import DEFAULT_SAMPLER_KIND, DDIMSamplerConfig, SamplerConfig, StrictModel
+from steadyrl.services.run_health import HealthConfig
 from steadyrl.services.testbeds.registry import DEFAULT_TESTBED, TESTBED_SETTINGS
 from steadyrl.trainer.config import DEFAULT_OBJECTIVE, LearnerConfig, ObjectiveConfig
+from steadyrl.trainer.linear_schedule import fill_total_updates
 from steadyrl.trainer.objectives import objective_class
 from steadyrl.trainer.objectives.grpo import GRPOSettings
 
@@ -173,6 +175,22 @@ class RunConfig(StrictModel):
         "ray", description="ray: rollout actors, the Serve reward ensemble and DeepSpeed ranks (a local Ray or a "
         "cluster); local: the same loop, metrics and checkpoints in one process without Ray or Serve, for "
         "debugging and many-seed benchmarks (`steadyrl train --local`); both compute the same run")
+    loggers: list[Literal["mlflow", "wandb"]] = Field(
+        default_factory=list, description="experiment trackers that also get each step's metrics and the config, "
+        "besides metrics.jsonl and TensorBoard: mlflow (extra `steadyrl[mlflow]`; $MLFLOW_TRACKING_URI, default a "
+        "file store in the run folder's mlruns/) and wandb (extra `steadyrl[wandb]`; $WANDB_MODE, default offline "
+        "without an API key, files in the run folder's wandb/). A resumed run logs on into the same tracker run")
+
+    @field_validator("loggers")
+    @classmethod
+    def _loggers_installed(cls, loggers: list[str]) -> list[str]:
+        import importlib.util
+
+        for name in loggers:
+            if importlib.util.find_spec(name) is None:
+                raise ValueError(f"{name!r} is not installed: pip install 'steadyrl[{name}]' (or drop it from "
+                                 "run.loggers)")
+        return list(dict.fromkeys(loggers))
 
 
 TestbedConfig = Annotated[Union[tuple(TESTBED_SETTINGS.values())], Field(discriminator="name")]
@@ -195,6 +213,8 @@ class TrainConfig(StrictModel):
     learner: LearnerConfig = Field(default_factory=LearnerConfig)
     serve: ServeConfig = Field(default_factory=ServeConfig)
     ray: RayConfig = Field(default_factory=RayConfig)
+    health: HealthConfig = Field(default_factory=HealthConfig, description="the controller's responses to a run "
+                                 "going wrong: reward hacking (a raised KL weight) and collapse (a rollback)")
 
     @model_validator(mode="before")
     @classmethod
@@ -224,6 +244,10 @@ class TrainConfig(StrictModel):
         if self.ray.weight_sync == "collective" and self.learner.max_staleness > 0:
             raise ValueError("ray.weight_sync=collective needs learner.max_staleness=0 (pipelined rollouts re-issued "
                              "after a worker restart need older weights, which only the object store keeps)")
+        if self.health.anomaly.enabled and float(getattr(self.objective, "kl_coef", 0.0)) <= 0:
+            raise ValueError(f"health.anomaly answers an event by raising the KL weight, but objective "
+                             f"{self.objective.name!r} has no KL term (objective.kl_coef is 0 or absent): set "
+                             "objective.kl_coef > 0 or leave health.anomaly.enabled off")
         if self.run.runtime == "local" and self.learner.ranks != 1:
             raise ValueError(f"learner.ranks={self.learner.ranks}: run.runtime=local runs one learner rank in its "
                              "process; use run.runtime=ray for more")
@@ -241,6 +265,11 @@ class TrainConfig(StrictModel):
             schedule.total_updates = self.run.steps
         if self.learner.kl_schedule.kind != "constant" and self.learner.kl_schedule.total_updates is None:
             self.learner.kl_schedule.total_updates = self.run.steps
+        fill_total_updates(self.learner, self.run.steps)  # the linear schedules (trainer/linear_schedule.py)
+        fill_total_updates(self.objective, self.run.steps)
+        if getattr(self.objective, "block_thresholds", None) and self.learner.zero_stage > 0:
+            raise ValueError("objective.block_thresholds needs learner.zero_stage=0 (ZeRO 1-3 partition the gradients: "
+                             "a block's gradient matrices are not on one rank's parameters)")
         return self
 
 

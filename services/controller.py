@@ -23,15 +23,18 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from steadyrl.rollout.cache import write_text_atomically
-from steadyrl.services.checkpoints import (CHECKPOINTS, CONTROLLER_STATE, RunFailed, latest_checkpoint,  # noqa: F401
+from steadyrl.services.checkpoints import (CHECKPOINTS, CONTROLLER_STATE, RunFailed,  # noqa: F401
+                                           checkpoint_before, drop_checkpoints_after, latest_checkpoint,
                                            latest_state, new_checkpoint, resume_hint)
 from steadyrl.services.config import TrainConfig, dump_config, load_config
 from steadyrl.services.remote import ComponentFailed
 from steadyrl.services.report import MetricsWriter, read_metrics, save_curves
 from steadyrl.services.resume import check_resume, record_resume
 from steadyrl.services.rollout_pool import ACTORS_FILE  # noqa: F401 - where a run lists its actors
+from steadyrl.services.run_health import RunHealth
 from steadyrl.services.signals import stop_status
 from steadyrl.services.testbeds import build_testbed
+from steadyrl.trainer.collapse import Collapse
 
 
 @dataclass
@@ -88,6 +91,7 @@ class Controller:
         self.runtime = build_runtime(cfg, self.testbed, self.run_dir, self.console)
         self.evals: list[dict[str, Any]] = []
         self.version = 0  # learner updates behind the weights last published (= steps done)
+        self.health = RunHealth(cfg.health, self.run_dir, cfg.learner.max_staleness)
 
     # ---------------------------------------------------------------- the loop
     def run(self) -> RunResult:
@@ -98,13 +102,16 @@ class Controller:
         timing_sums: dict[str, float] = {}
         try:
             self.setup()
-            writer = MetricsWriter(self.run_dir)
+            writer = MetricsWriter(self.run_dir, cfg.run.loggers, cfg.model_dump(mode="json"), self.resume)
             start = steps_done = self.restore() if self.resume else 0
             if not self.resume:
                 self.evaluate(0)
+                if cfg.health.rollback.enabled:
+                    self.checkpoint(0)  # a collapse in the first updates has somewhere to go back to
             next_launch = max([start, *[s + 1 for s in self.pool.in_flight()]])  # a resume relaunched some
             with self.progress_bar(start) as bar:
-                for step in range(start, cfg.run.steps):
+                step = start
+                while step < cfg.run.steps:
                     watch = Stopwatch()
                     with watch.phase("step"):
                         self.pool.begin_step()
@@ -115,22 +122,30 @@ class Controller:
                             next_launch += 1
                         with watch.phase("collect"):
                             batches, summaries = self.pool.collect(step)
-                        metrics = self.learner.update(batches)
+                        metrics = self.learner.update(batches, self.health.controls(step))
                         self.version += 1
                         with watch.phase("sync"):
                             self.pool.publish(self.version)
                     steps_done = step + 1
                     metrics = self.step_metrics(metrics, summaries, watch.seconds)
+                    collapse = self.health.watch(steps_done, metrics, self.learner)
                     writer.write(steps_done, metrics)
                     for k, v in metrics.items():
                         if k.startswith("timing_s/"):
                             timing_sums[k] = timing_sums.get(k, 0.0) + v
                     bar(steps_done, metrics)
+                    target = None if collapse is None else self.healthy_checkpoint(collapse)
+                    if target is not None:
+                        step = steps_done = self.roll_back(target, collapse)
+                        next_launch = step
+                        bar(steps_done, metrics)
+                        continue
                     last = steps_done == cfg.run.steps
                     if steps_done % cfg.run.eval_every == 0 or last:
                         self.evaluate(steps_done)
-                    if steps_done % cfg.run.checkpoint_every == 0 or last:
+                    if self.checkpoint_due(steps_done) or last:
                         self.checkpoint(steps_done)
+                    step += 1
         except ComponentFailed as err:
             raise RunFailed(f"{err.during(steps_done + 1)}; nothing after step {steps_done} was kept"
                             + resume_hint(self.run_dir)) from None
@@ -206,6 +221,11 @@ class Controller:
         write_text_atomically(self.run_dir / "evals.json", json.dumps(self.evals, indent=1))
         return result
 
+    def checkpoint_due(self, steps_done: int) -> bool:
+        rollback = self.cfg.health.rollback
+        return steps_done % self.cfg.run.checkpoint_every == 0 or (
+            rollback.enabled and steps_done % rollback.checkpoint_every == 0)
+
     def checkpoint(self, step: int) -> Path:
         """checkpoints/step_N, written atomically: the learner's state, the weights of rollouts in flight
         (pipelining: a resume relaunches them as they were) and the controller's state."""
@@ -214,22 +234,57 @@ class Controller:
             self.pool.save_in_flight(tmp)
             (tmp / CONTROLLER_STATE).write_text(json.dumps({
                 "step": step, "evals": len(self.evals), "version": self.version,
-                "pending": {str(j): v for j, v in self.pool.in_flight().items()}}))
+                "pending": {str(j): v for j, v in self.pool.in_flight().items()},
+                "health": self.health.state_dict()}))
         return self.run_dir / CHECKPOINTS / f"step_{step}"
 
     def restore(self) -> int:
+        """Resume from the latest checkpoint (its health state too); returns its step."""
         ckpt, state = latest_state(self.run_dir)
+        if state.get("health"):
+            self.health.load_state_dict(state["health"])
+        self.load_checkpoint(ckpt, state)
+        return int(state["step"])
+
+    def load_checkpoint(self, ckpt: Path, state: dict[str, Any]) -> list[str]:
+        """The learner, evaluations, published weights and in-flight rollouts as checkpoint `ckpt` has them;
+        metrics.jsonl loses its rows past the checkpoint, which are returned."""
         self.learner.load(str(ckpt))
         evals_path = self.run_dir / "evals.json"
         self.evals = json.loads(evals_path.read_text())[: state["evals"]] if evals_path.exists() else []
+        write_text_atomically(evals_path, json.dumps(self.evals, indent=1))
         self.version = int(state.get("version", state["step"]))
         self.pool.publish(self.version)
         self.pool.relaunch(state.get("pending", {}), ckpt)
         # metrics.jsonl may hold steps past the checkpoint: drop them so the log matches the state
-        path = self.run_dir / "metrics.jsonl"
+        path, dropped = self.run_dir / "metrics.jsonl", []
         if path.exists():
-            rows = [r for r in path.read_text().splitlines() if r and json.loads(r)["step"] <= state["step"]]
-            write_text_atomically(path, "".join(r + "\n" for r in rows))
+            rows = [r for r in path.read_text().splitlines() if r]
+            kept = [r for r in rows if json.loads(r)["step"] <= state["step"]]
+            dropped = rows[len(kept):]
+            write_text_atomically(path, "".join(r + "\n" for r in kept))
+        return dropped
+
+    def healthy_checkpoint(self, collapse: Collapse) -> Path | None:
+        """The newest checkpoint before the weights `collapse` blames (None: there is none; the run goes on)."""
+        ckpt = checkpoint_before(self.run_dir, collapse.bad_version)
+        if ckpt is None:
+            self.console.print(f"[yellow]collapse at step {collapse.step} ({'; '.join(collapse.reasons)}) but no "
+                               f"checkpoint before step {collapse.bad_version} to roll back to", soft_wrap=True)
+        return ckpt
+
+    def roll_back(self, ckpt: Path, collapse: Collapse) -> int:
+        """Restore checkpoint `ckpt` (a healthy one), drop what came after it (rollouts in flight, later
+        checkpoints, metric rows: kept in rollbacks/), lower the learning rate; returns its step."""
+        state = json.loads((ckpt / CONTROLLER_STATE).read_text())
+        self.pool.discard_in_flight()
+        drop_checkpoints_after(self.run_dir, int(state["step"]))
+        abandoned = self.load_checkpoint(ckpt, state)
+        self.health.rolled_back(collapse, int(state["step"]), abandoned)
+        self.console.print(f"[red]collapse at step {collapse.step}: {'; '.join(collapse.reasons)}; rolled back to "
+                           f"step {state['step']} with the learning rate x{self.health.lr_scale:g} "
+                           f"(rollback {self.health.rollbacks}/{self.cfg.health.rollback.max_rollbacks})",
+                           soft_wrap=True)
         return int(state["step"])
 
 

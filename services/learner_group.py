@@ -21,6 +21,7 @@ from steadyrl.services.config import TrainConfig
 from steadyrl.services.learner_rank import LearnerRank
 from steadyrl.services.remote import get_all, wait_all
 from steadyrl.services.runtime import free_port
+from steadyrl.trainer.controls import UpdateControls
 from steadyrl.trainer.weight_broadcast import WeightBroadcastGroup
 
 
@@ -94,14 +95,15 @@ class LearnerGroup:
     def _name(self, rank: int) -> str:
         return "the learner" if len(self.actors) == 1 else f"learner rank {rank}"
 
-    def update(self, batch_refs: list[ray.ObjectRef]) -> dict[str, float]:
+    def update(self, batch_refs: list[ray.ObjectRef], controls: UpdateControls | None = None) -> dict[str, float]:
         """One update on the workers' batches; rank 0's metrics (every rank's are equal after the learner's
         reduction)."""
-        return self.update_ranks(batch_refs)[0]
+        return self.update_ranks(batch_refs, controls)[0]
 
-    def update_ranks(self, batch_refs: list[ray.ObjectRef]) -> list[dict[str, float]]:
+    def update_ranks(self, batch_refs: list[ray.ObjectRef],
+                     controls: UpdateControls | None = None) -> list[dict[str, float]]:
         """One update on the workers' batches; every rank's metrics, rank 0's first."""
-        return self._all([a.update.remote(*batch_refs) for a in self.actors])
+        return self._all([a.update.remote(*batch_refs, controls=controls) for a in self.actors])
 
     def weights(self) -> ray.ObjectRef:
         """Rank 0's trained tensors, left in the object store (under ZeRO-3 every rank takes part in the
@@ -119,6 +121,10 @@ class LearnerGroup:
 
     def load(self, directory: str) -> None:
         self._all([a.load.remote(directory) for a in self.actors])
+
+    def save_batch(self, directory: str) -> None:
+        """Rank 0 writes the last update's batch (every rank holds the whole batch)."""
+        self._all([self.actors[0].save_batch.remote(directory)])
 
     def kill(self) -> None:
         for a in self.actors:

@@ -11,6 +11,7 @@ from steadyrl.services.builders import build_learner
 from steadyrl.services.config import TrainConfig
 from steadyrl.services.rank_env import set_rank_env
 from steadyrl.services.testbeds import build_testbed
+from steadyrl.trainer.controls import UpdateControls
 
 
 class LearnerRank:
@@ -28,10 +29,10 @@ class LearnerRank:
         testbed = build_testbed(self.cfg)
         self.learner = build_learner(self.cfg, testbed.build_policy(base_weights).train(), testbed.build_sampler())
 
-    def update(self, *batches: RolloutBatch) -> dict[str, float]:
+    def update(self, *batches: RolloutBatch, controls: UpdateControls | None = None) -> dict[str, float]:
         """One update on the workers' batches together; its metrics (with `timing_s/update`)."""
         t0 = time.perf_counter()
-        metrics = self.learner.update(RolloutBatch.concat(batches))
+        metrics = self.learner.update(RolloutBatch.concat(batches), controls)
         metrics["timing_s/update"] = time.perf_counter() - t0
         return metrics
 
@@ -43,3 +44,6 @@ class LearnerRank:
 
     def load(self, directory: str) -> None:
         self.learner.load(Path(directory))
+
+    def save_batch(self, directory: str) -> None:
+        self.learner.save_batch(Path(directory))

@@ -28,6 +28,7 @@ from steadyrl.services.learner_rank import LearnerRank
 from steadyrl.services.rank_env import free_port, torch_threads
 from steadyrl.services.rollouts import Rollouts
 from steadyrl.services.testbeds.base import Testbed
+from steadyrl.trainer.controls import UpdateControls
 
 
 def local_info(role: str, index: int) -> dict[str, Any]:
@@ -61,8 +62,8 @@ class LocalLearner:
     def infos(self) -> list[dict[str, Any]]:
         return [local_info("learner", 0)]
 
-    def update(self, batches: list[Any]) -> dict[str, float]:
-        return self.rank.update(*batches)
+    def update(self, batches: list[Any], controls: UpdateControls | None = None) -> dict[str, float]:
+        return self.rank.update(*batches, controls=controls)
 
     def weights(self) -> dict[str, Tensor]:
         return self.rank.weights()
@@ -72,6 +73,9 @@ class LocalLearner:
 
     def load(self, directory: str) -> None:
         self.rank.load(directory)
+
+    def save_batch(self, directory: str) -> None:
+        self.rank.save_batch(directory)
 
     def shutdown(self) -> None:
         self.rank.learner = None  # the engine and its optimiser state go with the run
@@ -129,6 +133,10 @@ class LocalRolloutPool:
     def save_in_flight(self, directory: Path) -> None:
         for version, weights in {v: w for v, w in self.launches.values() if v not in (0, self.current[0])}.items():
             save_file({k: v.contiguous() for k, v in weights.items()}, str(directory / rollout_weights_file(version)))
+
+    def discard_in_flight(self) -> None:
+        """Forget the rollouts launched and not collected (a rollback: they were sampled by abandoned weights)."""
+        self.launches.clear()
 
     def relaunch(self, in_flight: dict[str, int], directory: Path) -> None:
         for step, version in in_flight.items():

@@ -164,6 +164,11 @@ class RolloutPool:
                  if launch.weights.version not in (0, self.current.version)}
         ray.get([write_weights.remote(w.boxed(), str(directory / rollout_weights_file(v))) for v, w in older.items()])
 
+    def discard_in_flight(self) -> None:
+        """Forget the rollouts launched and not collected (a rollback: they were sampled by abandoned weights); the
+        workers finish them and their results are dropped with the refs."""
+        self.launches.clear()
+
     def relaunch(self, in_flight: dict[str, int], directory: Path) -> None:
         """Launch again the rollouts a checkpoint recorded as in flight, each with the policy it had."""
         for step, version in in_flight.items():

@@ -120,15 +120,21 @@ def test_resume_continues_from_the_latest_checkpoint(smoke_run, tmp_path):
 def test_new_objectives_run_through_the_services_and_log_their_diagnostics(ray_cluster, digits_app, tmp_path, objective,
                                                                            own_keys):
     """GARDO reads the Serve ensemble's per-model scores and features; DRaFT's learner actor loads the
-    differentiable training reward itself. Both log their own keys to metrics.jsonl and TensorBoard."""
+    differentiable training reward itself. Both log their own keys to metrics.jsonl and TensorBoard. GARDO's run
+    also answers an anomaly at every step (a disagreement threshold every batch passes): the learner actor saves
+    the batch into the run folder and the next update runs with the KL weight raised."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     preset = CONFIG_DIR / f"digits-{objective.replace('.', '-')}.yaml"
+    anomaly = ["health.anomaly.enabled=true", "health.anomaly.disagreement=1e-6"] if objective == "gardo.paper" else []
     result = train(preset, [f"run.run_dir={tmp_path / 'run'}", "run.steps=2", "run.eval_every=100",
                             "run.checkpoint_every=2", "testbed.eval_samples_per_class=2", "run.progress=false",
-                            "serve.port=0", "sampler.group_size=4"])
+                            "serve.port=0", "sampler.group_size=4", *anomaly])
     assert result.steps_done == 2
     rows = read_metrics(result.run_dir)
+    if anomaly:
+        assert (result.run_dir / "anomalies" / "step_0001" / "batch.safetensors").exists()
+        assert rows[1]["policy/kl_weight"] == pytest.approx(10 * rows[0]["policy/kl_weight"], rel=1e-12)
     for key in own_keys + ["policy/grad_norm", "policy/kl_ref_monitor"]:
         assert all(key in r for r in rows), key
     assert rows[-1]["policy/grad_norm"] > 0

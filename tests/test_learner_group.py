@@ -67,3 +67,28 @@ def test_two_ranks_stay_identical_and_apply_the_one_rank_update(ray_cluster, bas
     for key in ("policy/pg_loss", "policy/adv_abs_mean", "policy/kl_ref_monitor", "policy/optimizer_steps"):
         assert two[0][key] == pytest.approx(one[key], rel=1e-5, abs=1e-7), key
     assert two[0]["policy/optimizer_steps"] == 2  # one 24-sample optimisation step per epoch on both
+
+
+@pytest.mark.slow
+def test_two_ranks_that_split_their_pieces_apply_the_unsplit_one_rank_update(ray_cluster, base_and_batch, tmp_path):
+    """learner.activation_memory_cap_mb below a 6-sample piece's saved tensors (measured here on an identical
+    in-process learner) makes each rank back-propagate its pieces in parts; ZeRO-0 ranks communicate at the
+    optimiser step only, so the update is still the unsplit 1-rank one (trainer/memory_split.py)."""
+    from steadyrl.services.runtime import free_port, set_rank_env
+    from steadyrl.trainer.builders import build_deepspeed_learner
+
+    weights, batch = base_and_batch
+    cfg = tiny_cfg()
+    set_rank_env(free_port())
+    policy = build_class_policy(cfg.testbed.model)
+    policy.net.load_state_dict(weights)
+    probe = build_deepspeed_learner(policy, build_sampler(cfg.sampler, cfg.testbed.scheduler), cfg.objective,
+                                    cfg.learner.model_copy(update={"activation_memory_cap_mb": 1e6}))
+    peak = probe.update(batch)["memory/activation_mb_max"]
+    (one,), (one_params,) = run_group(ray_cluster, cfg, weights, batch, tmp_path / "one")
+    capped = tiny_cfg("learner.ranks=2", f"learner.activation_memory_cap_mb={0.6 * peak}")
+    two, two_params = run_group(ray_cluster, capped, weights, batch, tmp_path / "two")
+    assert two[0]["memory/splits"] > 0 and two[0]["memory/piece_size_min"] < 6 and one["memory/splits"] == 0
+    assert all(torch.equal(two_params[0][k], two_params[1][k]) for k in two_params[0])
+    assert max_abs_diff(one_params, weights) > 1e-4
+    assert max_abs_diff(two_params[0], one_params) < 1e-5  # as the unsplit 2-rank test: Adam on float-order noise

@@ -3,7 +3,8 @@
 Each piece is plain torch on any `nn.Module` (a diffusers UNet, a transformers masked LM); nothing here
 knows about Ray or DeepSpeed:
 
-    scale_module_gradients    after backward, before clipping/step: g_i <- g_i sqrt(d_i) / (||g_i||_2 + eps)
+    scale_module_gradients    after backward, before clipping/step: g_i <- g_i [sqrt(d_i) / (||g_i||_2 + eps)]**alpha
+                              (alpha = `scaling_strength`, linear over the run's updates; 1 by default)
     DualMomentum              the optimiser (trainer/dual_momentum.py): short/long momenta, geometric mean
     RollingQuantileClipper    A <- clip(A, -q, q), q the rolling quantile of |A| over the last `window` values
     enable_activation_checkpointing   recompute block activations in backward (memory for compute)
@@ -20,6 +21,7 @@ from torch import Tensor, nn
 
 from steadyrl.rollout.config import StrictModel
 from steadyrl.trainer.dual_momentum import DualMomentum
+from steadyrl.trainer.linear_schedule import LinearSchedule
 
 __all__ = ["BalancedGradientConfig", "DualMomentum", "RollingQuantileClipper", "apply_module_precision",
            "enable_activation_checkpointing", "module_groups", "scale_module_gradients"]
@@ -35,6 +37,11 @@ class BalancedGradientConfig(StrictModel):
         "then moves by a comparable per-element amount, so modules with tiny gradients (e.g. deep blocks far from "
         "the loss) are not starved by those with large ones")
     scaling_eps: float = Field(1e-8, gt=0, description="eps in sqrt(d_i) / (||g_i|| + eps): a zero gradient stays 0")
+    scaling_strength: LinearSchedule = Field(
+        default_factory=LinearSchedule,
+        description="alpha in g_i <- g_i * s_i**alpha, scheduled linearly over the run's updates (start -> end, in "
+        "[0, 1]): 1 = full balancing (every module to norm sqrt(d_i)), 0 = none; e.g. start 1, end 0 balances the "
+        "early updates, where starved modules matter most, and hands the late ones back to the raw gradient")
     scaling_depth: int = Field(
         2, ge=1, description="what counts as a module: parameters are grouped by the first `depth` components of "
         "their owning module's dotted name (depth 2: 'bert.encoder', 'down_blocks.0'); deeper = finer balancing")
@@ -62,6 +69,13 @@ class BalancedGradientConfig(StrictModel):
     def _horizons(self) -> BalancedGradientConfig:
         if self.short_horizon > self.long_horizon:
             raise ValueError(f"short_horizon={self.short_horizon} must be <= long_horizon={self.long_horizon}")
+        bad = self.scaling_strength.bounds_error("learner.balanced.scaling_strength", 0.0, 1.0)
+        if bad:
+            raise ValueError(f"{bad}: alpha interpolates between no balancing (0) and full balancing (1); above 1 a "
+                             "module's step would grow as its gradient shrinks")
+        if not self.module_grad_scaling and self.scaling_strength != LinearSchedule():
+            raise ValueError("learner.balanced.scaling_strength is set but learner.balanced.module_grad_scaling is "
+                             "false: the strength schedules that scaling, so switch it on")
         return self
 
 
@@ -91,12 +105,15 @@ def gradient_norm(grads: list[Tensor]) -> Tensor:
 
 
 @torch.no_grad()
-def scale_module_gradients(model: nn.Module, depth: int, eps: float = 1e-8) -> dict[str, float]:
-    """In place, per module group i: g_i <- g_i sqrt(d_i) / (||g_i||_2 + eps), d_i the elements of the group's
-    parameters that have a gradient; groups without any gradient are skipped. Returns each group's factor."""
+def scale_module_gradients(model: nn.Module, depth: int, eps: float = 1e-8, strength: float = 1.0) -> dict[str, float]:
+    """In place, per module group i: g_i <- g_i * s_i**alpha, s_i = sqrt(d_i) / (||g_i||_2 + eps), d_i the elements
+    of the group's parameters that have a gradient, alpha = `strength` (1: g_i to norm ~sqrt(d_i); 0: unchanged);
+    groups without any gradient are skipped. Returns each group's factor s_i**alpha."""
     names, scales = [], []
     for group, grads in group_gradients(model, depth).items():
-        scale = sum(g.numel() for g in grads) ** 0.5 / (gradient_norm(grads) + eps)
+        scale = sum(g.numel() for g in grads) ** 0.5 / (gradient_norm(grads) + eps)  # s_i
+        if strength != 1.0:
+            scale = scale**strength  # s_i**alpha
         for g in grads:
             g.mul_(scale.to(g.dtype))
         names.append(group)

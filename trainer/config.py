@@ -55,6 +55,12 @@ class LearnerConfig(StrictModel):
     backend: Literal["auto", "gloo", "nccl"] = Field(
         "auto", description="collective backend of the ranks; auto: NCCL when DeepSpeed's accelerator is cuda, "
         "else gloo (the CPU)")
+    activation_memory_cap_mb: float | None = Field(
+        None, gt=0, description="split a piece (micro-batch x trained step) into halves, recursively down to one "
+        "sample, when the tensors its forward keeps for the backward pass this many MB, and accumulate the parts: "
+        "the step's gradient is unchanged (trainer/memory_split.py). None: off (a real out-of-memory error in a "
+        "forward still splits); set it for headroom on a shared accelerator, or to split before an out-of-memory "
+        "error in the backward, which cannot be split")
     logp_alarm: float = Field(1e-3, gt=0, description="warn when |recomputed - rollout old logp| exceeds this "
                               "(samples from the current policy; a lagged batch's gap is the lag, not an alarm)")
     max_staleness: int = Field(0, ge=0, le=4, description="updates a batch's behaviour policy may lag the learner: "
@@ -76,6 +82,10 @@ class LearnerConfig(StrictModel):
         if self.balanced.module_grad_scaling and self.zero_stage > 0:
             raise ValueError("learner.balanced.module_grad_scaling needs zero_stage=0 (ZeRO 1-3 partition the "
                              "gradients: each module's norm is not on one rank's parameters)")
+        if self.activation_memory_cap_mb is not None and self.ranks > 1 and self.zero_stage >= 2:
+            raise ValueError(f"learner.activation_memory_cap_mb needs zero_stage 0 or 1 with learner.ranks={self.ranks}"
+                             f" (zero_stage={self.zero_stage} runs collectives in every pass, and a rank that splits "
+                             "a piece alone would run more passes than the others)")
         per_step = self.micro_batch_size * self.ranks
         if self.optim_batch_size is not None and self.optim_batch_size % per_step:
             raise ValueError(f"optim_batch_size={self.optim_batch_size} must be a multiple of "

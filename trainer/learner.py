@@ -13,7 +13,8 @@ One `update(batch)`:
     optimisation step a term producer (trainer/terms.py: per-step, sequence or reward back-propagation, picked
     once by objective and sampler) draws the step's randomness; the objective may run a no-grad `prepare` over
     all its terms (whole-step normalisers, every rank's pieces gathered), then every piece is back-propagated
-    and the optimiser steps once;
+    (in parts when it does not fit in memory, the same gradient: trainer/memory_split.py) and the optimiser steps
+    once;
  4. `objective.after_update` (reference reset / EMA through `reset_reference` / `ema_reference`).
 """
 from __future__ import annotations
@@ -34,13 +35,17 @@ from steadyrl.rollout.sampler import Sampler
 from steadyrl.trainer.balanced_gradient import RollingQuantileClipper, scale_module_gradients
 from steadyrl.trainer.config import LearnerConfig
 from steadyrl.trainer.context import DifferentiableReward, UpdateContext
+from steadyrl.trainer.controls import UpdateControls
+from steadyrl.trainer.reward_stats import weighting_panel
 from steadyrl.trainer.deepspeed_config import communication_backend, deepspeed_config
 from steadyrl.trainer.distributed import (gather_pieces, group_shares, micro_batch_count, reduce_metrics, split_into,
                                           world)
 from steadyrl.trainer.health import (advantage_panel, clip_group_gradients, drop_nonfinite_advantages,
                                      group_grad_norms, mean_group_norms, reward_panel, zero_std_group_fraction)
 from steadyrl.trainer.kl_schedule import kl_factor
+from steadyrl.trainer.linear_schedule import linear_value
 from steadyrl.trainer.lr_schedule import lr_factor
+from steadyrl.trainer.memory_split import PieceSplitter
 from steadyrl.trainer.objectives import Objective
 from steadyrl.trainer.off_policy import check_staleness, staleness
 from steadyrl.trainer.recompute import OldPolicy, recompute_old
@@ -115,6 +120,10 @@ class DeepSpeedLearner:
         self._group_norms: list[dict[str, float]] = []  # per optimiser step of the current update (health panel)
         self._groups_clipped = 0  # module gradients clipped by learner.group_grad_clip in the current update
         self._module_scales: dict[str, float] = {}
+        frozen = [reference] + ([reward_fn] if isinstance(reward_fn, nn.Module) else [])
+        self.splitter = PieceSplitter(learner_cfg.activation_memory_cap_mb, [policy, *frozen],  # out-of-memory splits
+                                      collective_backward=self.world_size > 1 and learner_cfg.zero_stage >= 2)
+        self.last_batch: RolloutBatch | None = None
 
     @property
     def policy(self) -> nn.Module:
@@ -157,8 +166,11 @@ class DeepSpeedLearner:
         return deepspeed.zero.GatheredParameters(list(self.policy.parameters()), modifier_rank=None)
 
     # ------------------------------------------------------------------ the update
-    def update(self, batch: RolloutBatch) -> dict[str, float]:
-        """One RL update over the whole batch; returns scalar metrics."""
+    def update(self, batch: RolloutBatch, controls: UpdateControls | None = None) -> dict[str, float]:
+        """One RL update over the whole batch (`controls`: the controller's factors on lr and KL weight); returns
+        scalar metrics."""
+        controls = controls or UpdateControls()
+        self.last_batch = batch  # kept until the next update: `save_batch` writes it when the controller asks
         finite = batch.train_reward().isfinite()
         skipped = int((~finite).sum())
         if skipped:
@@ -166,7 +178,7 @@ class DeepSpeedLearner:
             batch = batch.index(torch.nonzero(finite).flatten())
         if len(batch) == 0:
             raise ValueError("no sample in the batch has a finite reward")
-        self._set_schedules()
+        self._set_schedules(controls)
         lag = staleness(batch, self.updates)
         check_staleness(lag, self.cfg.max_staleness)
         batch, metrics = self.objective.prepare_batch(batch)  # on the whole batch, identically on every rank
@@ -175,7 +187,7 @@ class DeepSpeedLearner:
             log.warning("dropping %d samples with non-finite advantages", nonfinite_adv)
         if len(batch) == 0:
             raise ValueError("no sample in the batch has a finite advantage")
-        metrics.update({**reward_panel(batch), **advantage_panel(batch.advantages),
+        metrics.update({**reward_panel(batch), **weighting_panel(batch), **advantage_panel(batch.advantages),
                         "health/zero_std_group_frac": zero_std_group_fraction(batch.train_reward(), batch.group),
                         "health/nonfinite_adv_dropped": float(nonfinite_adv)})
         if self.cfg.max_staleness > 0:
@@ -195,6 +207,7 @@ class DeepSpeedLearner:
         sums = MetricSums()
         grad_norms: list[float] = []
         self._group_norms, self._groups_clipped = [], 0
+        self.splitter.start_update()
         self.engine.train()
         for _ in range(self.cfg.inner_epochs):
             for group in groups:
@@ -205,6 +218,7 @@ class DeepSpeedLearner:
                     grad_norms.append(norm)
         self.updates += 1
         metrics.update(sums.result())
+        metrics.update(self.splitter.metrics())  # memory/splits, memory/piece_size_min (trainer/memory_split.py)
         metrics = reduce_metrics(metrics)  # every rank's objective state then moves alike
         metrics.update(self.objective.after_update(self, metrics))
         metrics.update({
@@ -217,6 +231,8 @@ class DeepSpeedLearner:
             "policy/samples": float(len(batch)),  # trained on, over all ranks (counted: none lost or duplicated)
             "policy/lr": float(self.engine.get_lr()[0]),
             "policy/kl_weight": self.objective.kl_weight,
+            "policy/lr_scale": controls.lr_scale,
+            "health/kl_boost": controls.kl_boost,
             "sync/bytes": float(state_bytes(trainable_state(self.policy))),
         })
         if self._module_scales:
@@ -224,13 +240,13 @@ class DeepSpeedLearner:
             metrics["balanced/module_scale_min"] = min(self._module_scales.values())
         return metrics
 
-    def _set_schedules(self) -> None:
+    def _set_schedules(self, controls: UpdateControls) -> None:
         """This update's learning rate and KL weight from their schedules (trainer/lr_schedule.py,
-        trainer/kl_schedule.py) and the update count."""
-        lr = self.cfg.lr * lr_factor(self.cfg.lr_schedule, self.updates)
+        trainer/kl_schedule.py), the update count and the controller's factors (trainer/controls.py)."""
+        lr = self.cfg.lr * lr_factor(self.cfg.lr_schedule, self.updates) * controls.lr_scale
         for group in self.engine.optimizer.param_groups:
             group["lr"] = lr
-        self.objective.kl_scale = kl_factor(self.cfg.kl_schedule, self.updates)
+        self.objective.kl_scale = kl_factor(self.cfg.kl_schedule, self.updates) * controls.kl_boost
 
     def _recompute_old(self, micro: list[RolloutBatch]) -> tuple[list[OldPolicy], dict[str, float]]:
         """The no-grad pre-pass over the update's micro-batches (trainer/recompute.py) and its metrics."""
@@ -239,11 +255,19 @@ class DeepSpeedLearner:
     def _optimisation_step(self, group: list[RolloutBatch], olds: list[OldPolicy], sums: MetricSums) -> None:
         """One optimiser step over `group`'s micro-batches: the update path's terms, the objective's no-grad
         `prepare` where it asks, then one backward per piece (the optimiser steps after the last)."""
+        self.objective.update_index = self.updates  # u of the objective's linear schedules (trainer/linear_schedule.py)
         terms = self.terms(self.context(), group, olds)  # draws the step's randomness
         stats = self._prepare(terms) if self.objective.needs_prepare else {}
-        for p, inputs in enumerate(terms):
-            loss, m = self.objective.loss(inputs, stats)
-            self._backward(loss, last=p == terms.count - 1)
+        keys = terms.keys()
+        for p, key in enumerate(keys):
+            self._piece(terms, key, stats, sums, last_piece=p == len(keys) - 1)
+
+    def _piece(self, terms: TermProducer, key: tuple[int, int], stats: dict[str, Tensor], sums: MetricSums,
+               last_piece: bool) -> None:
+        """Back-propagate one piece (the objective's loss minus its entropy bonus), whole or in parts when it does
+        not fit (trainer/memory_split.py); the optimiser steps after the last part of the step's last piece."""
+        for m in self.splitter.run(lambda part: terms.piece(key, part), terms.piece_rows(key), self.objective, stats,
+                                   lambda loss, last_part: self._backward(loss, last=last_piece and last_part)):
             sums.add(m)
 
     @torch.no_grad()
@@ -264,14 +288,17 @@ class DeepSpeedLearner:
         self.engine.set_gradient_accumulation_boundary(last)
         self.engine.backward(loss * self.world_size if self.world_size > 1 else loss, scale_wrt_gas=False)
         if last:
+            self.objective.regulate_gradients(self.network)  # the objective's own (GRPO-Guard's per-block guard)
             self._pre_clip_norm = self._grad_norm()
             norms = group_grad_norms(self.network)
             self._group_norms.append(norms)
             if self.cfg.group_grad_clip is not None:  # per module, before DeepSpeed's global clip in step()
                 self._groups_clipped += clip_group_gradients(self.network, self.cfg.group_grad_clip, norms)
             if self.cfg.balanced.module_grad_scaling:  # after the accumulation boundary, before clip and step
+                strength = linear_value(self.cfg.balanced.scaling_strength, self.updates,
+                                        "learner.balanced.scaling_strength")
                 scales = scale_module_gradients(self.network, self.cfg.balanced.scaling_depth,
-                                                self.cfg.balanced.scaling_eps)
+                                                self.cfg.balanced.scaling_eps, strength)
                 self._module_scales = scales
             self.engine.step()
 
@@ -279,6 +306,20 @@ class DeepSpeedLearner:
         """Global L2 norm of the accumulated (unclipped) gradients, where they live on the params."""
         grads = [p.grad for p in self.policy.parameters() if p.grad is not None]
         return float(torch.nn.utils.get_total_norm(grads)) if grads else None
+
+    def save_batch(self, directory: Path) -> None:
+        """The last update's batch as it arrived (samples, conditions, groups and every reward model's scores) to
+        `directory`/batch.safetensors, with the reward names in its metadata: what the controller keeps of a batch
+        that raised an anomaly. Rank 0 writes; a learner without a batch yet writes nothing."""
+        batch = self.last_batch
+        if batch is None or self.rank > 0:
+            return
+        tensors = {name: getattr(batch, name) for name in ("cond", "group", "samples", "rewards", "uncertainty")
+                   if getattr(batch, name) is not None}
+        Path(directory).mkdir(parents=True, exist_ok=True)
+        save_file({k: v.detach().to("cpu").contiguous() for k, v in tensors.items()},
+                  str(Path(directory) / "batch.safetensors"),
+                  metadata={"reward_names": ",".join(batch.reward_names), "reward_key": batch.reward_key or ""})
 
     # ------------------------------------------------------------------ weights and checkpoints
     def weights(self) -> dict[str, Tensor]:

@@ -2,7 +2,8 @@
 group of micro-batches and their recomputed old policies); building it draws the step's randomness from the
 learner's generator. It then gives the objective the step's terms as `TermInputs`: `prepare_terms()`, every
 piece without gradient (for `Objective.prepare`), and, iterated, the `count` pieces to back-propagate one by
-one, in order (the optimiser steps after the last).
+one, in order (the optimiser steps after the last); `piece(key, part)` gives one piece, or the rows `part` of it
+(a piece split to fit memory, trainer/memory_split.py).
 
   PerStepTerms         per-step likelihood ratios (Gaussian samplers; BGPO's per-MC-sample bound on dLLMs): each
                        sample trains a random `timestep_fraction` of the trained steps (dLLMs: all n MC samples);
@@ -43,9 +44,25 @@ class TermProducer(ABC):
         """Every piece of the step on this rank, without gradient, at the current weights."""
         return []
 
-    @abstractmethod
+    def keys(self) -> list[tuple[int, int]]:
+        """The pieces to back-propagate, in order: (micro-batch, its j-th term: drawn step or MC sample)."""
+        per = self.count // len(self.group)
+        return [(m, j) for m in range(len(self.group)) for j in range(per)]
+
     def __iter__(self) -> Iterator[TermInputs]:
         """The pieces to back-propagate, with gradient, in order."""
+        for key in self.keys():
+            yield self.piece(key)
+
+    @abstractmethod
+    def piece(self, key: tuple[int, int], part: Tensor | None = None) -> TermInputs:
+        """Piece `key` with gradient; `part`: only these rows of its micro-batch (local indices), the piece split
+        to fit memory (trainer/memory_split.py). Every random draw was made when the producer was built, so a
+        part is the whole piece's rows `part`."""
+
+    def piece_rows(self, key: tuple[int, int]) -> int:
+        """Rows (samples) of piece `key`."""
+        return len(self.group[key[0]])
 
     def _global_rows(self) -> list[Tensor]:
         """Each micro-batch's rows within the optimisation step, after the lower ranks' samples."""
@@ -84,15 +101,20 @@ class PerStepTerms(TermProducer):
                 offset += len(mb)
         return pieces
 
-    def __iter__(self) -> Iterator[TermInputs]:
-        for mb, old, chosen, rows in zip(self.group, self.olds, self.chosen, self._global_rows()):
-            for j in range(self.steps_per_sample):
-                yield self._term(mb, old, chosen[:, j], rows, grad=True)
+    def piece(self, key: tuple[int, int], part: Tensor | None = None) -> TermInputs:
+        m, j = key
+        mb, rows, step = self.group[m], self._global_rows()[m], self.chosen[m][:, j]
+        if part is not None:
+            mb, rows, step = mb.index(part), rows[part], step[part]
+        return self._term(mb, self.olds[m], step, rows, grad=True, local=part)
 
-    def _term(self, mb: RolloutBatch, old: OldPolicy, step: Tensor, rows: Tensor, grad: bool) -> TermInputs:
-        """The micro-batch at `step` [b]; with `grad`, the term `loss` sees (KL to the reference where asked)."""
-        ctx, local = self.ctx, torch.arange(len(mb))
-        new = ctx.sampler.log_prob(ctx.policy, mb, step)
+    def _term(self, mb: RolloutBatch, old: OldPolicy, step: Tensor, rows: Tensor, grad: bool,
+              local: Tensor | None = None) -> TermInputs:
+        """The micro-batch at `step` [b]; with `grad`, the term `loss` sees (KL to the reference where asked).
+        `local`: `mb`'s rows in `old` (a part of a split piece; None: all)."""
+        ctx = self.ctx
+        local = torch.arange(len(mb)) if local is None else local
+        new = ctx.sampler.log_prob(ctx.policy, mb, step, **entropy_request(ctx, grad))
         ref = ctx.reference_log_prob(mb, step) if grad and ctx.objective.needs_reference else None
         kl = None if ref is None else ctx.kl_to_reference(mb, step, new, ref)
         inputs = TermInputs(n_terms=self.n_terms, rows=rows, new_logp=new.logp, old_logp=old.logp[local, step],
@@ -101,6 +123,8 @@ class PerStepTerms(TermProducer):
         if ctx.objective.token_level:  # per-token ratios (masked diffusion): new, old and reference token terms
             inputs.tokens, inputs.old_tokens = new, old.token_logp[local, step]
             inputs.ref_tokens = None if ref is None else ref.token_logp
+        if grad and getattr(new, "entropy", None) is not None:  # one row entropy per term: n_terms of them
+            inputs.entropy, inputs.entropy_terms = new.entropy, self.n_terms
         if isinstance(new, StepLogProb):
             inputs.std, inputs.dt, inputs.new_mean = new.std, new.dt, new.mean
             inputs.old_mean = None if old.mean is None else old.mean[local, step]
@@ -146,19 +170,22 @@ class SequenceTerms(TermProducer):
             offset += len(mb)
         return pieces
 
-    def __iter__(self) -> Iterator[TermInputs]:
-        ctx, n = self.ctx, self.mc_samples
-        for mb, old, current, rows in zip(self.group, self.olds, self.current, self._global_rows()):
-            for j in range(n):
-                new = ctx.sampler.log_prob(ctx.policy, mb, j)
-                linear = current + (new.logp - new.logp.detach()) / n
-                kl = None
-                if ctx.objective.needs_reference:
-                    kl = ctx.sampler.kl(LogProb(linear), LogProb(old.ref_logp))
-                step = torch.full((len(mb),), j, dtype=torch.long)
-                yield TermInputs(n_terms=self.n_terms, rows=rows, new_logp=linear, old_logp=old.sequence_logp,
-                                 advantages=old.weighted(mb.advantages), step=step, group=mb.group, kl_ref=kl,
-                                 micro=mb, reduce=ctx.sampler.reduce, tokens=new)
+    def piece(self, key: tuple[int, int], part: Tensor | None = None) -> TermInputs:
+        ctx, n, (m, j) = self.ctx, self.mc_samples, key
+        mb, old, rows = self.group[m], self.olds[m], self._global_rows()[m]
+        current, old_logp, adv, ref = self.current[m], old.sequence_logp, old.weighted(mb.advantages), old.ref_logp
+        if part is not None:
+            mb, rows, current, old_logp, adv = mb.index(part), rows[part], current[part], old_logp[part], adv[part]
+            ref = None if ref is None else ref[part]
+        new = ctx.sampler.log_prob(ctx.policy, mb, j, **entropy_request(ctx, True))
+        linear = current + (new.logp - new.logp.detach()) / n
+        kl = None
+        if ctx.objective.needs_reference:
+            kl = ctx.sampler.kl(LogProb(linear), LogProb(ref))
+        step = torch.full((len(mb),), j, dtype=torch.long)
+        return TermInputs(n_terms=self.n_terms, rows=rows, new_logp=linear, old_logp=old_logp, advantages=adv,
+                          step=step, group=mb.group, kl_ref=kl, micro=mb, reduce=ctx.sampler.reduce, tokens=new,
+                          entropy=new.entropy, entropy_terms=self.n_terms * n)  # a row entropy per (sequence, MC)
 
 
 class RewardBackpropTerms(TermProducer):
@@ -173,20 +200,31 @@ class RewardBackpropTerms(TermProducer):
         self.n_terms, self.rows_before = step_extent(sum(len(mb) for mb in group))
         self.count = len(group)
 
-    def __iter__(self) -> Iterator[TermInputs]:
-        ctx = self.ctx
-        for mb, old, rows in zip(self.group, self.olds, self._global_rows()):
-            x0 = ctx.sampler.denoise_from(ctx.policy, mb, self.first, old.noise or [])
-            leaf = x0.detach().requires_grad_(True)
-            reward = ctx.reward_fn(leaf, mb.cond)
-            (grad,) = torch.autograd.grad(reward.sum(), leaf)
-            yield TermInputs(n_terms=self.n_terms, rows=rows, micro=mb, reduce=ctx.sampler.reduce, sample=x0,
-                             reward_grad=grad, reward=reward.detach())
+    def piece(self, key: tuple[int, int], part: Tensor | None = None) -> TermInputs:
+        ctx, m = self.ctx, key[0]
+        mb, rows, noise = self.group[m], self._global_rows()[m], self.olds[m].noise or []
+        if part is not None:
+            mb, rows, noise = mb.index(part), rows[part], [z[part.to(z.device)] for z in noise]
+        x0 = ctx.sampler.denoise_from(ctx.policy, mb, self.first, noise)
+        leaf = x0.detach().requires_grad_(True)
+        reward = ctx.reward_fn(leaf, mb.cond)
+        (grad,) = torch.autograd.grad(reward.sum(), leaf)
+        return TermInputs(n_terms=self.n_terms, rows=rows, micro=mb, reduce=ctx.sampler.reduce, sample=x0,
+                          reward_grad=grad, reward=reward.detach())
+
+
+def entropy_request(ctx: UpdateContext, grad: bool) -> dict[str, bool]:
+    """The keyword that asks a language-model sampler's `log_prob` for token entropies: only for the pieces
+    back-propagated with an entropy bonus (`objective.entropy_coef` > 0), so no other pass pays for them."""
+    return {"entropy": True} if grad and ctx.objective.cfg.entropy_coef > 0 else {}
 
 
 def term_producer(objective: Objective, sampler: Sampler, reward_fn: DifferentiableReward | None) -> type[TermProducer]:
     """The update path `objective` takes on `sampler`; refuses combinations that cannot run."""
     name = objective.cfg.name
+    if objective.cfg.entropy_coef > 0 and not sampler.sequence_level:
+        raise ValueError(f"objective.entropy_coef={objective.cfg.entropy_coef}: the entropy bonus is over a language "
+                         f"model's token distribution; sampler.kind={sampler.cfg.kind!r} samples images")
     if isinstance(objective, RewardBackpropObjective):
         if reward_fn is None:
             raise ValueError(f"objective {name!r} back-propagates a reward: the learner needs a differentiable "

@@ -54,7 +54,7 @@ def _bind(spec: EnsembleSpec, profile: RestProfile, serve_cfg: ServeConfig, rest
     members = {m.name: model(f"reward_{m.name}", m) for m in spec.members}
     monitors = {m.name: model(f"monitor_{m.name}", m) for m in spec.monitors}
     settings = IngressSettings(profile=profile, train_on=spec.train_on, feature_model=spec.feature_model,
-                               correct=tuple(spec.correct), rest=rest, digest=digest)
+                               correct=tuple(spec.correct), rest=rest, digest=digest, weighting=spec.weighting)
     ingress = RewardEnsembleIngress.options(name="ensemble", **opts)
     return ingress.bind(members=members, monitors=monitors, settings=settings)
 

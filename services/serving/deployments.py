@@ -16,6 +16,7 @@ from ray.serve.handle import DeploymentHandle
 from steadyrl.reward.base import check_scores
 from steadyrl.reward.config import FEATURE_KINDS
 from steadyrl.reward.ensemble import EnsembleScores, combine_scores
+from steadyrl.reward.weighting import RewardWeighting
 from steadyrl.reward.factory import build_reward_model, parse_reward_spec
 from steadyrl.reward.verifiers import VerifierReward
 from steadyrl.rollout.digits import IMAGE_SHAPE
@@ -113,7 +114,7 @@ class IngressSettings:
     the training reward is, or 'mean'; `feature_model`: a member whose `features` come back with `score_tensors`
     (None: no features); `correct`: monitors that also report `<name>_correct` (the rule of
     `reward.ensemble.monitor_scores`); `rest`: the REST API's limits and token digest; `digest`: what the app
-    was built from (`app.app_digest`)."""
+    was built from (`app.app_digest`); `weighting`: the members' weights when `train_on` is 'weighted'."""
 
     profile: RestProfile
     train_on: str
@@ -121,6 +122,7 @@ class IngressSettings:
     correct: tuple[str, ...] = ()
     rest: RestSettings = field(default_factory=RestSettings)
     digest: str = ""
+    weighting: RewardWeighting | None = None
 
 
 @serve.deployment(ray_actor_options={"num_cpus": 0.1}, health_check_period_s=10)
@@ -140,6 +142,7 @@ class RewardEnsembleIngress:
         self.monitors, self.monitor_names = list(monitors.values()), list(monitors)
         self.correct = set(settings.correct)
         self.train_on, self.feature_model = settings.train_on, settings.feature_model
+        self.weighting = settings.weighting
         self.rest = settings.rest
         self.digest = settings.digest
 
@@ -171,7 +174,8 @@ class RewardEnsembleIngress:
         if with_features and self.feature_model is not None:
             feat = self.members[self.member_names.index(self.feature_model)].features.remote(samples)
         cols = await asyncio.gather(*calls)
-        out = combine_scores(self.member_names, torch.stack(cols, dim=1), group, self.train_on)
+        out = combine_scores(self.member_names, torch.stack(cols, dim=1), group, self.train_on,
+                             self.weighting)
         for name, score, correct in mon:
             out.monitors[name] = await score
             if correct is not None:
@@ -184,7 +188,8 @@ class RewardEnsembleIngress:
         """Verifier apps (arith): text or token-id prompt/completion pairs."""
         cols = await asyncio.gather(*[m.score_items.remote(prompts, completions) for m in self.members])
         mons = await asyncio.gather(*[m.score_items.remote(prompts, completions) for m in self.monitors])
-        out = combine_scores(self.member_names, torch.stack([col[0] for col in cols], dim=1), group, self.train_on)
+        out = combine_scores(self.member_names, torch.stack([col[0] for col in cols], dim=1), group,
+                             self.train_on, self.weighting)
         for name, (score, correct) in zip(self.monitor_names, mons):
             out.monitors[name] = score
             if name in self.correct:
@@ -221,8 +226,14 @@ class RewardEnsembleIngress:
         roles = ["member"] * len(self.members) + ["monitor"] * len(self.monitors)
         return ModelsResponse(testbed=self.testbed, train_on=self.train_on, feature_model=self.feature_model, models=[
             ModelInfo(name=i["name"], kind=i["kind"], role=role, test_accuracy=i.get("test_accuracy"),
-                      trained_on=role == "member" and self.train_on in ("mean", i["name"]))
+                      trained_on=role == "member" and self._trained_on(i["name"]))
             for i, role in zip(infos, roles)])
+
+    def _trained_on(self, name: str) -> bool:
+        """Whether the training reward comes from member `name` (train_on 'mean', itself, or a weight > 0)."""
+        if self.weighting is not None:
+            return self.weighting.weights.get(name, 0.0) > 0
+        return self.train_on in ("mean", name)
 
     async def health(self) -> HealthResponse:
         return HealthResponse(status="ok", testbed=self.testbed, route=SCORE_ROUTE, members=self.member_names,

@@ -313,7 +313,7 @@ class ModelInfo(BaseModel):
     role: Literal["member", "monitor"] = Field(description="member: in the ensemble (its scores, mean, spread, "
                                                "uncertainty); monitor: scored and reported, never part of the reward")
     trained_on: bool = Field(description="whether the training reward comes from this model (`train_on`: one "
-                             "member, or every member when it is 'mean')")
+                             "member, every member when it is 'mean', the members weighted > 0 when 'weighted')")
     test_accuracy: float | None = Field(None, description="held-out accuracy of a classifier, else null")
 
 
@@ -322,7 +322,8 @@ _TESTBED = "the testbed whose samples this app scores (digits, arith, text_to_im
 
 class ModelsResponse(BaseModel):
     testbed: str = Field(description=_TESTBED)
-    train_on: str = Field(description="the member the training reward is, or 'mean' of the members")
+    train_on: str = Field(description="the member the training reward is, 'mean' of the members, or 'weighted' "
+                          "(their weighted sum)")
     feature_model: str | None = Field(description="the member whose features measure diversity (handle only)")
     models: list[ModelInfo]
 

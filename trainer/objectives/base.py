@@ -6,8 +6,9 @@ One update (an RL step) of the learner, as the objective sees it:
     for each optimisation step (optim_batch_size samples, several micro-batches):
         stats = obj.prepare(pieces)                # no grad: whole-step normalisers, per-step stats
         for each piece (micro-batch x trained step; see trainer/terms.py for each update path):
-            loss, m = obj.loss(inputs, stats)      # this piece's share of the step's loss
+            loss, m = obj.piece_loss(inputs, stats)  # this piece's share of the step's loss (`loss` - entropy bonus)
             backward(loss)
+        obj.regulate_gradients(network)            # in place, on the step's parameter gradients (default: none)
         optimiser step
     m = obj.after_update(hooks)                    # reference reset / EMA, adaptive constants
 
@@ -28,13 +29,13 @@ from dataclasses import dataclass
 from typing import ClassVar, Literal, Protocol
 
 import torch
-from pydantic import Field
-from torch import Tensor
+from pydantic import Field, model_validator
+from torch import Tensor, nn
 
 from steadyrl.rollout.batch import RolloutBatch
 from steadyrl.rollout.config import StrictModel
 from steadyrl.rollout.likelihood import SequenceLogProb
-from steadyrl.trainer.advantages import group_advantages
+from steadyrl.trainer.advantages import batch_advantages
 
 
 class ObjectiveSettings(StrictModel):
@@ -46,6 +47,21 @@ class ObjectiveSettings(StrictModel):
         description="train only steps whose std is at least this (0: every stochastic step, as DDPO). The "
         "per-step score (x_prev - mu)/sigma^2 scales as 1/sigma, so a near-deterministic step (sigma ~ 0.006 "
         "for the digits DDIM schedule) swamps the gradient; the GRPO presets set 0.05.")
+    entropy_coef: float = Field(
+        0.0, ge=0, le=1,
+        description="language models only: loss -= entropy_coef * H, H the mean per-token entropy of the policy's "
+        "token distribution at the scored positions (0: off; the seed uses 0.01-0.05): keeps a policy from "
+        "collapsing onto one answer before the reward has been explored")
+
+    #: the objective can train a language model (a sequence-level sampler); image-only objectives set False
+    language_models: ClassVar[bool] = True
+
+    @model_validator(mode="after")
+    def _entropy_needs_a_language_model(self) -> "ObjectiveSettings":
+        if self.entropy_coef > 0 and not self.language_models:
+            raise ValueError(f"objective.entropy_coef={self.entropy_coef}: objective {self.name!r} trains image "
+                             "models only, and the entropy bonus is over a language model's token distribution")
+        return self
 
 
 class PolicyGradientSettings(ObjectiveSettings):
@@ -94,6 +110,14 @@ class TermInputs:
     sample: Tensor | None = None  # [b,...] x_0 re-run through the last K steps, with grad
     reward_grad: Tensor | None = None  # [b,...] dr/dx_0 of the differentiable reward at x_0
     reward: Tensor | None = None  # [b] r(x_0), without grad
+    # language models, with `entropy_coef` > 0 (the `loss` pieces only): each row's mean per-token entropy at this
+    # piece's scored positions, with grad (`SequenceLogProb.entropy`), and the count of such row entropies in the
+    # whole optimisation step, every rank's (the entropy bonus's normaliser)
+    entropy: Tensor | None = None
+    entropy_terms: int = 0
+    # a piece split to fit memory (trainer/memory_split.py): the unsplit piece's `Objective.piece_statistics`, summed
+    # over its parts, so each part normalises as the whole piece does (None: the piece is whole)
+    piece: dict[str, Tensor] | None = None
 
 
 class LearnerHooks(Protocol):
@@ -136,6 +160,7 @@ class Objective(ABC):
         self.cfg = cfg
         self.state: dict[str, Tensor] = {}
         self.kl_scale = 1.0  # the learner's KL schedule sets it before each update (trainer/kl_schedule.py)
+        self.update_index = 0  # the learner sets it before each update: u of the objective's linear schedules
 
     @property
     def needs_reference(self) -> bool:
@@ -147,9 +172,10 @@ class Objective(ABC):
         return float(getattr(self.cfg, "kl_coef", 0.0)) * self.kl_scale
 
     def advantages(self, batch: RolloutBatch) -> Tensor:
-        """A_i = clip((r_i - mean_g r) / (std_g r + eps_std), -adv_clip, adv_clip) within each prompt group."""
+        """A_i = clip((r_i - mean_g r) / (std_g r + eps_std), -adv_clip, adv_clip) within each prompt group
+        (a per_reward weighting: clip(sum_k w_k z_k,i, ...), trainer/advantages.py)."""
         cfg = self.cfg
-        return group_advantages(batch.train_reward(), batch.group, cfg.eps_std).clamp(-cfg.adv_clip, cfg.adv_clip)
+        return batch_advantages(batch, cfg.eps_std).clamp(-cfg.adv_clip, cfg.adv_clip)
 
     def prepare_batch(self, batch: RolloutBatch) -> tuple[RolloutBatch, dict[str, float]]:
         """Once per update on the whole batch (before sharding): set advantages and any per-sample extras."""
@@ -163,6 +189,31 @@ class Objective(ABC):
     @abstractmethod
     def loss(self, inputs: TermInputs, stats: dict[str, Tensor]) -> tuple[Tensor, dict[str, Tensor]]:
         """This piece's contribution to the optimisation step's loss, and its metrics."""
+
+    def piece_loss(self, inputs: TermInputs, stats: dict[str, Tensor]) -> tuple[Tensor, dict[str, Tensor]]:
+        """What the learner back-propagates: `loss` minus the entropy bonus (`entropy_bonus`; 0 when off)."""
+        loss, metrics = self.loss(inputs, stats)
+        coef = float(getattr(self.cfg, "entropy_coef", 0.0))
+        if coef <= 0:
+            return loss, metrics
+        return loss - entropy_bonus(inputs, coef, metrics), metrics
+
+    def piece_statistics(self, inputs: TermInputs) -> dict[str, Tensor]:
+        """Sums over a piece's rows that `loss` normalises the piece by (d1's token count, a local self-
+        normalisation's sum of clipped ratios), without gradient. Each must be a sum over rows: a piece split to fit
+        memory gets their totals over its parts as `inputs.piece`, so its parts' losses sum to the whole piece's.
+        `loss` reads `inputs.piece or self.piece_statistics(inputs)`. Default: none."""
+        return {}
+
+    def split_refusal(self) -> str | None:
+        """Why this objective's pieces cannot be split to fit memory (a statistic over a piece that is not a sum
+        over its rows, e.g. one with gradient), naming the setting; None: they can."""
+        return None
+
+    def regulate_gradients(self, network: nn.Module) -> None:
+        """Called once per optimisation step with the step's accumulated parameter gradients (after the last
+        piece's backward, before the learner's clipping, module scaling and optimiser step): an objective may
+        rescale them in place (GRPO-Guard's seed form, per UNet block). Default: nothing."""
 
     def after_update(self, hooks: LearnerHooks, metrics: dict[str, float]) -> dict[str, float]:
         """After each update: reference resets/EMA, adaptive constants. Returns extra metrics."""
@@ -214,6 +265,17 @@ def kl_penalty(inputs: TermInputs, kl_coef: float, metrics: dict[str, Tensor]) -
         return torch.zeros((), dtype=inputs.new_logp.dtype)
     metrics["policy/kl_ref"] = inputs.kl_ref.detach().mean()
     return kl_coef * inputs.kl_ref.sum() / inputs.n_terms
+
+
+def entropy_bonus(inputs: TermInputs, coef: float, metrics: dict[str, Tensor]) -> Tensor:
+    """coef * sum_{i in piece} H_i / entropy_terms, H_i the row's mean per-token entropy at the piece's scored
+    positions: the pieces of an optimisation step sum to coef * (mean of H over its rows and MC samples). Logs the
+    piece's mean H as `policy/entropy`."""
+    if inputs.entropy is None or inputs.entropy_terms <= 0:
+        raise ValueError("objective.entropy_coef > 0 but the update path gave no token entropies (the bonus needs a "
+                         "language-model sampler: masked_diffusion, autoregressive or block_diffusion)")
+    metrics["policy/entropy"] = inputs.entropy.detach().mean()
+    return coef * inputs.entropy.sum() / inputs.entropy_terms
 
 
 def ratio_metrics(ratio: Tensor, log_ratio: Tensor, eps_clip: float | None) -> dict[str, Tensor]:

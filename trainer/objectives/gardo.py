@@ -9,6 +9,8 @@ flow_grpo/stat_tracking.py). Once per update, on the whole batch:
     d_i    = min_{j != i in group} (1 - cos(f_i, f_j)), f L2-normalised   (reward/diversity.py)
     w_i    = d_i / mean_g d if r_i >= mean_g r else 1    (1 for the whole group when mean_g d = 0)
     A_i    = clip((r_i - mean_g r) * w_i [/ (std_g r + eps_std) if adv_std_normalise], +-adv_clip)
+             (a per_reward weighting: r_i - mean_g r becomes sum_k w_k z_k,i, already scaled: no std division;
+             trainer/advantages.py)
 
 Per micro-batch x trained step (b samples, n_terms in the optimisation step):
 
@@ -23,7 +25,8 @@ Per micro-batch x trained step (b samples, n_terms in the optimisation step):
 Behaviour weight: multiplies A_i inside the PPO clip; the gated KL is not weighted.
 
 After each update (hard reset of the reference): the windowed KL of an optimisation step is the mean
-over its pieces of mean_{gated} k_i (0 for a piece without gated samples), as their `info["kl_loss"]`;
+over its pieces of mean_{gated} k_i (0 for a piece without gated samples), as their `info["kl_loss"]`
+(a piece split to fit memory counts once: its parts add their shares of its #gated and b);
 reset when the largest window of the update exceeds `ref_kl_threshold` (in k's units), or when
 `ref_reset_every` updates have passed since the last reset (their `epoch - prev_epoch > reset_freq=15`
 resets every 16 updates).
@@ -40,6 +43,7 @@ from torch import Tensor
 from steadyrl.reward.diversity import cosine_nearest_neighbour_distance
 from steadyrl.reward.uncertainty import rank_difference_uncertainty
 from steadyrl.rollout.batch import RolloutBatch
+from steadyrl.trainer.advantages import centred_rewards
 from steadyrl.trainer.objectives.base import (LearnerHooks, PolicyGradientObjective, PolicyGradientSettings, TermInputs,
                                      ratio_metrics)
 from steadyrl.trainer.objectives.grpo import ppo_clip_loss
@@ -72,16 +76,18 @@ def diversity_advantages(batch: RolloutBatch, adv_clip: float, std_normalise: bo
     """(A, w, d) [B] of the diversity-aware advantage (module docstring)."""
     if batch.features is None:
         raise ValueError("GARDO's diversity-aware advantage needs batch.features (the ensemble's feature network)")
-    r = batch.train_reward().double()
+    signal, normalised = centred_rewards(batch)
+    r = signal.double()
     d = cosine_nearest_neighbour_distance(batch.features, batch.group)
     adv, w = torch.zeros_like(r), torch.ones_like(r)
     for g in batch.group.unique():
         idx = batch.group == g
         rg, dg = r[idx], d[idx]
-        centred = rg - rg.mean()
+        centred = rg if normalised else rg - rg.mean()
         if dg.mean() > 0:
             w[idx] = torch.where(centred >= 0, dg / dg.mean(), torch.ones_like(dg))
-        adv[idx] = centred * w[idx] / ((rg.std(unbiased=False) + eps_std) if std_normalise else 1)
+        scale = (rg.std(unbiased=False) + eps_std) if std_normalise and not normalised else 1
+        adv[idx] = centred * w[idx] / scale
     return adv.clamp(-adv_clip, adv_clip).to(batch.train_reward().dtype), w, d
 
 
@@ -118,7 +124,7 @@ class GARDOBase(PolicyGradientObjective):
 
     def __init__(self, cfg: GARDOCommonSettings):
         super().__init__(cfg)
-        self._win = [0.0, 0, 0]  # this optimisation step: sum of piece KLs, pieces, terms seen
+        self._win = [0.0, 0.0, 0]  # this optimisation step: sum of piece KLs, pieces, terms seen
         self._win_max = 0.0
 
     @property
@@ -136,9 +142,18 @@ class GARDOBase(PolicyGradientObjective):
                         "gardo/div_distance_mean": float(d.mean())})
         return batch.replace(advantages=adv).with_extras(gardo_gate=gate), metrics
 
+    def piece_statistics(self, inputs: TermInputs) -> dict[str, Tensor]:
+        """The piece's gated samples and rows: the `gated` KL average's and the window's normalisers."""
+        if inputs.micro is None:
+            raise ValueError("GARDO needs the learner's micro-batch")
+        gate = inputs.micro.extras["gardo_gate"].bool()
+        return {"gated": gate.sum(), "rows": torch.tensor(len(gate))}
+
     def loss(self, inputs: TermInputs, stats: dict[str, Tensor]) -> tuple[Tensor, dict[str, Tensor]]:
         if inputs.kl_ref is None or inputs.micro is None:
             raise ValueError("GARDO needs the learner's kl_ref and micro-batch")
+        piece = inputs.piece or self.piece_statistics(inputs)  # the whole piece's, when the learner split it
+        gated, rows = int(piece["gated"]), int(piece["rows"])
         log_ratio = inputs.new_logp - inputs.old_logp
         ratio = log_ratio.exp()
         metrics = ratio_metrics(ratio, log_ratio, self.cfg.eps_clip)
@@ -150,12 +165,12 @@ class GARDOBase(PolicyGradientObjective):
         if bool(gate.any()):
             kl = k[gate].sum() / inputs.n_terms
             if self.cfg.kl_average == "gated":
-                kl = kl * len(gate) / int(gate.sum())
+                kl = kl * rows / gated  # b / #gated of the whole piece
             loss = pg + self.kl_weight * kl
-            piece_kl = float(k[gate].detach().mean())
+            piece_kl = float(k[gate].detach().mean()) * (int(gate.sum()) / gated)  # a part's share of the mean
             metrics["gardo/kl_gated"] = k[gate].detach().mean()
         self._win[0] += piece_kl
-        self._win[1] += 1
+        self._win[1] += len(gate) / rows  # a whole piece counts once, its parts their shares
         self._win[2] += len(gate)
         if self._win[2] >= inputs.n_terms:  # the optimisation step's last piece
             self._win_max = max(self._win_max, self._win[0] / self._win[1])

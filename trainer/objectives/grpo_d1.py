@@ -9,6 +9,7 @@ with probability p), for each scored token t of completion i (the positions up t
     l_it     = -min(rho_it A_i, clip(rho_it, 1 - eps, 1 + eps) A_i) + beta (e^{d_it} - d_it - 1),
                d_it = log pi_ref(y_it) - log pi_theta(y_it)                           k3 KL per token
     L_piece  = sum_{i,t} l_it m_it / sum_{i,t} m_it                   a token mean over the micro-batch
+               (a piece split to fit memory: each part's sum over the whole piece's token count and rows)
 
 eps = 0.5 and beta = 0.04 are d1's GSM8K settings. The learner's pieces are (micro-batch, MC sample); each
 piece's token mean is weighted by its share of the step's terms (b / n_terms), so the step's loss is the mean
@@ -19,11 +20,12 @@ from __future__ import annotations
 
 from typing import Literal
 
+import torch
 from pydantic import Field
 from torch import Tensor
 
 from steadyrl.rollout.batch import RolloutBatch
-from steadyrl.trainer.advantages import mean_centred_advantages
+from steadyrl.trainer.advantages import batch_advantages
 from steadyrl.trainer.objectives.base import PolicyGradientObjective, PolicyGradientSettings, TermInputs, ratio_metrics
 from steadyrl.trainer.objectives.grpo import ppo_clip_loss
 from steadyrl.trainer.objectives.registry import register
@@ -42,11 +44,20 @@ class GRPOD1(PolicyGradientObjective):
     token_level = True
 
     def advantages(self, batch: RolloutBatch) -> Tensor:
-        return mean_centred_advantages(batch.train_reward(), batch.group).clamp(-self.cfg.adv_clip, self.cfg.adv_clip)
+        """A_i = clip(r_i - mean_g r, +-adv_clip) (per_reward weighting: sum_k w_k z_k,i, trainer/advantages.py)."""
+        return batch_advantages(batch, None).clamp(-self.cfg.adv_clip, self.cfg.adv_clip)
+
+    def piece_statistics(self, inputs: TermInputs) -> dict[str, Tensor]:
+        """The token mean's normalisers: scored tokens sum_{i,t} m_it and rows b of the piece."""
+        if inputs.tokens is None:
+            raise ValueError("grpo.d1 needs the per-token log-probs of a masked-diffusion sampler (TermInputs.tokens)")
+        scored = inputs.tokens.mask
+        return {"tokens": scored.sum(), "rows": torch.tensor(len(scored))}
 
     def loss(self, inputs: TermInputs, stats: dict[str, Tensor]) -> tuple[Tensor, dict[str, Tensor]]:
         if inputs.tokens is None or inputs.old_tokens is None:
             raise ValueError("grpo.d1 needs the per-token log-probs of a masked-diffusion sampler (TermInputs.tokens)")
+        piece = inputs.piece or self.piece_statistics(inputs)  # the whole piece's, when the learner split it
         new, scored = inputs.tokens.token_logp, inputs.tokens.mask  # mask: the MC sample's positions up to the EOS
         log_ratio = (new - inputs.old_tokens).masked_fill(~scored, 0.0)
         ratio = log_ratio.exp()
@@ -57,6 +68,7 @@ class GRPOD1(PolicyGradientObjective):
             kl = d.exp() - d - 1
             per_token = per_token + self.kl_weight * kl
             metrics["policy/kl_ref"] = kl.detach()[scored].mean()
-        token_mean = (per_token * scored).sum() / scored.sum().clamp(min=1)
-        metrics["policy/pg_loss"] = token_mean.detach()
-        return token_mean * len(new) / inputs.n_terms, metrics
+        token_sum = (per_token * scored).sum()
+        metrics["policy/pg_loss"] = token_sum.detach() / scored.sum().clamp(min=1)
+        token_mean = token_sum / piece["tokens"].clamp(min=1)  # / sum_{i,t} m_it of the whole piece
+        return token_mean * int(piece["rows"]) / inputs.n_terms, metrics

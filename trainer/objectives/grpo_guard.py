@@ -12,9 +12,10 @@ KL term and its scale grows as 1/s.  RatioNorm (what the authors' `train_sd3_GRP
               = mean_{j: step_j = step_i} b_j                  bias = "batch"  (the reference, one scalar)
     log rho~  = (log pi_theta - log pi_old + b) * s           normalised log-ratio
     rho~      = exp(log rho~)
-    L         = sum_{i in piece} max(-A_i rho~_i, -A_i clip(rho~_i, 1 - eps_clip, 1 + eps_clip)) / |Delta t_i| / n_terms
+    L         = sum_{i in piece} max(-A_i rho~_i, -A_i clip(rho~_i, 1 - eps, 1 + eps)) / |Delta t_i| / n_terms
                 + kl_coef * sum KL(pi_theta || pi_ref) / n_terms
 
+eps = eps_clip x f(u), f the linear schedule `eps_clip_scale` over updates (1 unless set; trainer/linear_schedule.py).
 n_terms = samples in the optimisation step (all ranks) x trained steps drawn per sample (Gaussian samplers only:
 it needs the step means). Behaviour weight: multiplies A_i inside both arms of the clip; rho~ and b are the
 proximal policy's.
@@ -48,12 +49,13 @@ tightness and a GRPO vs GRPO-Guard comparison isolates RatioNorm and the re-weig
 """
 from __future__ import annotations
 
-from typing import Literal
+from typing import ClassVar, Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 from torch import Tensor
 
 from steadyrl.rollout.sampler import reduce_pixels
+from steadyrl.trainer.linear_schedule import LinearSchedule, linear_value
 from steadyrl.trainer.objectives.base import (PolicyGradientObjective, PolicyGradientSettings, TermInputs, kl_penalty,
                                      ratio_metrics)
 from steadyrl.trainer.objectives.grpo import ppo_clip_loss
@@ -95,6 +97,19 @@ class GRPOGuardPaperSettings(PolicyGradientSettings):
     train_min_std: float = Field(
         0.0, ge=0, description="GRPO-Guard trains every stochastic step: the 1/s blow-up of small-std steps is "
         "what RatioNorm and the |Delta t| re-weighting remove")
+    eps_clip_scale: LinearSchedule = Field(
+        default_factory=LinearSchedule,
+        description="f(u), linear over the run's updates: the clip range of update u is eps_clip x f(u) (start/end "
+        "> 0; 1: eps_clip throughout); e.g. start 1, end 0.3 narrows the trust region as the policy matures")
+
+    language_models: ClassVar[bool] = False  # needs Gaussian step means: images only
+
+    @model_validator(mode="after")
+    def _clip_schedule_bounds(self) -> "GRPOGuardPaperSettings":
+        bad = self.eps_clip_scale.bounds_error("objective.eps_clip_scale", 0.0, 1.0 / self.eps_clip, low_open=True)
+        if bad:
+            raise ValueError(f"{bad}: eps_clip x f(u) is a clip range, in (0, 1] (eps_clip={self.eps_clip})")
+        return self
 
 
 @register("grpo_guard.paper")
@@ -102,15 +117,29 @@ class GRPOGuardPaper(PolicyGradientObjective):
     Settings = GRPOGuardPaperSettings
     needs_old_mean = True
 
+    def split_refusal(self) -> str | None:
+        if self.cfg.bias == "batch":
+            return ("objective.bias=batch averages RatioNorm's bias over the piece's samples at a step, with gradient "
+                    "through each of them: a part of a split piece cannot reproduce it (objective.bias=sample can be "
+                    "split)")
+        return None
+
+    @property
+    def eps_clip(self) -> float:
+        """This update's clip range: eps_clip x f(u) (`eps_clip_scale`, u = the learner's update count)."""
+        return self.cfg.eps_clip * linear_value(self.cfg.eps_clip_scale, self.update_index, "objective.eps_clip_scale")
+
     def loss(self, inputs: TermInputs, stats: dict[str, Tensor]) -> tuple[Tensor, dict[str, Tensor]]:
         if inputs.new_mean is None or inputs.old_mean is None:
             raise ValueError("grpo_guard.paper needs the new and old step means (needs_old_mean)")
         cfg = self.cfg
+        eps_clip = self.eps_clip  # eps_clip x f(u)
         log_ratio, b = normalised_log_ratio(inputs.new_logp, inputs.old_logp, inputs.new_mean, inputs.old_mean,
                                             inputs.std, inputs.step, inputs.reduce, cfg.bias)
         ratio = log_ratio.exp()
-        metrics = ratio_metrics(ratio, log_ratio, cfg.eps_clip)
-        per_term = ppo_clip_loss(ratio, inputs.advantages, cfg.eps_clip) / inputs.dt.to(ratio.dtype)
+        metrics = ratio_metrics(ratio, log_ratio, eps_clip)
+        metrics["guard/eps_clip"] = eps_clip
+        per_term = ppo_clip_loss(ratio, inputs.advantages, eps_clip) / inputs.dt.to(ratio.dtype)
         pg = per_term.sum() / inputs.n_terms  # sum of clip / |Delta t| over the piece, / n_terms
         loss = pg + kl_penalty(inputs, self.kl_weight, metrics)
         metrics["policy/pg_loss"] = pg.detach() * inputs.n_terms / len(ratio)

@@ -44,7 +44,7 @@ from torch import Tensor
 from steadyrl.rollout.batch import RolloutBatch
 from steadyrl.trainer.objectives.base import (ObjectiveSettings, PolicyGradientObjective, TermInputs,
                                      kl_penalty, ratio_metrics)
-from steadyrl.trainer.advantages import mean_centred_advantages
+from steadyrl.trainer.advantages import batch_advantages
 from steadyrl.trainer.objectives.registry import register
 from steadyrl.trainer.objectives.sandwich import eubo_piece, eubo_statistics, sandwich
 
@@ -85,7 +85,8 @@ class StableDRLCode(PolicyGradientObjective):
     needs_prepare = True
 
     def advantages(self, batch: RolloutBatch) -> Tensor:
-        adv = mean_centred_advantages(batch.train_reward(), batch.group)
+        """A_i = r_i - mean_g r (a per_reward weighting: sum_k w_k z_k,i, trainer/advantages.py), clipped if set."""
+        adv = batch_advantages(batch, None)
         clip = self.cfg.adv_clip
         return adv if clip is None else adv.clamp(-clip, clip)
 

@@ -18,7 +18,8 @@ of the A_j grad log pi(x_j): its norm is at most max_j |A_j| * ||grad log pi(x_j
   local  each piece is self-normalised by its own terms, Z_p = sum_{i in piece} c_i, and weighted by its
          share of the step's terms, b_p / n_terms (b_p = samples in the piece). The step's update is then
          the size-weighted mean of per-piece self-normalised estimates -- still a convex combination, and
-         identical to `step` when the step has a single piece. No prepare statistics are used.
+         identical to `step` when the step has a single piece. No prepare statistics are used. A piece
+         split to fit memory (trainer/memory_split.py) keeps the whole piece's Z_p and b_p in every part.
 
 n_terms = samples in the optimisation step (all ranks) x trained steps drawn per sample (dLLM sequence ratio:
 sequences); it weighs `local` pieces and divides the KL. Behaviour weight: multiplies A_j only -- c_j and Z
@@ -63,6 +64,13 @@ class StableDRLPaper(PolicyGradientObjective):
     def needs_prepare(self) -> bool:  # type: ignore[override]
         return self.cfg.normalise == "step"
 
+    def piece_statistics(self, inputs: TermInputs) -> dict[str, Tensor]:
+        """normalise=local: the piece's Z_p = sum_{i in piece} c_i and its terms b_p."""
+        if self.cfg.normalise != "local":
+            return {}
+        c = clipped_ratio(inputs.new_logp, inputs.old_logp, self.cfg.eps_clip)
+        return {"c_sum": c.sum(), "rows": torch.tensor(len(c))}
+
     @torch.no_grad()
     def prepare(self, pieces: list[TermInputs]) -> dict[str, Tensor]:
         """Z = sum of the clipped ratios over all the step's terms, and their count (both sums: all-reducible)."""
@@ -79,8 +87,9 @@ class StableDRLPaper(PolicyGradientObjective):
             z, count = stats["stabledrl/c_sum"], stats["stabledrl/c_count"]
             weight = c / z  # each term's weight in the step's convex combination: / Z, the step's sum of c
         else:
-            z, count = c.sum(), torch.tensor(float(len(c)))
-            weight = c / z * (len(c) / inputs.n_terms)  # / Z_p, times the piece's share b_p / n_terms
+            piece = inputs.piece or self.piece_statistics(inputs)  # the whole piece's, when the learner split it
+            z, count = piece["c_sum"], piece["rows"].to(c.dtype)
+            weight = c / z * (int(piece["rows"]) / inputs.n_terms)  # / Z_p, times the piece's share b_p / n_terms
         adv = inputs.advantages
         pg = -(weight * adv * inputs.new_logp).sum()
         metrics = ratio_metrics(log_ratio.exp(), log_ratio, self.cfg.eps_clip)
