@@ -271,6 +271,7 @@ class Controller:
         if ckpt is None:
             self.console.print(f"[yellow]collapse at step {collapse.step} ({'; '.join(collapse.reasons)}) but no "
                                f"checkpoint before step {collapse.bad_version} to roll back to", soft_wrap=True)
+            self.health.collapse.rewind(collapse.step)  # the flags start again, not repeated every step
         return ckpt
 
     def roll_back(self, ckpt: Path, collapse: Collapse) -> int:
@@ -281,6 +282,9 @@ class Controller:
         drop_checkpoints_after(self.run_dir, int(state["step"]))
         abandoned = self.load_checkpoint(ckpt, state)
         self.health.rolled_back(collapse, int(state["step"]), abandoned)
+        # the restored checkpoint now carries the rollback (its lr scale, counts), so a resume from it does not
+        # replay the collapse at the old learning rate
+        write_text_atomically(ckpt / CONTROLLER_STATE, json.dumps({**state, "health": self.health.state_dict()}))
         self.console.print(f"[red]collapse at step {collapse.step}: {'; '.join(collapse.reasons)}; rolled back to "
                            f"step {state['step']} with the learning rate x{self.health.lr_scale:g} "
                            f"(rollback {self.health.rollbacks}/{self.cfg.health.rollback.max_rollbacks})",

@@ -139,5 +139,7 @@ def test_a_collapsing_run_rolls_back_to_a_healthy_checkpoint_and_ends_above_its_
     assert metrics[-1]["health/rollbacks"] == len(records)
     assert metrics[-1]["policy/lr"] == pytest.approx(2e-4 * 0.5 ** len(records))
     assert latest_checkpoint(run).name == "step_12"
+    restored = json.loads((run / "checkpoints" / f"step_{records[0]['restored_step']}" / "controller.json").read_text())
+    assert restored["health"]["rollbacks"] >= 1 and restored["health"]["lr_scale"] < 1  # a resume keeps the rollback
     base, final = result.base_eval["held_out"], result.final_eval["held_out"]
     assert final > base - 0.15, (base, final)
