@@ -29,6 +29,10 @@ METHODS = ["grpo", "stabledrl.paper", "stabledrl.code", "grpo_guard.paper", "gar
 # mean rank_aux (rank 1 = highest), so u > 0 means the proxy ranks a sample worse than the auxiliaries do, the
 # opposite of "the proxy over-rates it"; `over_rating` flips the sign.
 VARIANTS = {"gardo.paper[over_rating]": ("gardo.paper", ["objective.uncertainty_sign=over_rating"]),
+            # gardo.paper's loss before it followed their code (docs/objectives.md): KL summed over the gated terms
+            # / all terms, PPO terms without the std_b / mean(std) weight (the earlier gardo.paper rows)
+            "gardo.paper[kl_all,no_std_weight]": ("gardo.paper", ["objective.kl_average=all_terms",
+                                                                  "objective.std_weighting=none"]),
             # the run-health controls on the method this benchmark sees hacked most (docs/health.md): a KL term
             # alone, the same KL raised 10x for 5 updates after each proxy-up/gold-down event, and collapse
             # rollback (its gold-drop rule)

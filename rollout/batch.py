@@ -132,6 +132,9 @@ class RolloutBatch:
         for b in batches[1:]:
             if not torch.equal(b.timesteps, first.timesteps) or b.reward_names != first.reward_names:
                 raise ValueError("batches disagree on timesteps or reward names")
+            if not torch.equal(b.trainable, first.trainable):
+                raise ValueError("batches disagree on their trainable steps (SDE windows of different training "
+                                 "steps, sampler.sde_window): train them in separate updates")
         changes = {}
         for name in PER_SAMPLE_FIELDS:
             parts = [getattr(b, name) for b in batches]

@@ -58,6 +58,31 @@ class DDIMSamplerConfig(SamplerBase):
     eta: float = Field(1.0, gt=0.0, le=1.0)
 
 
+class SDEWindowConfig(StrictModel):
+    """Which steps of a flow-SDE rollout are SDE (and trained): `size` consecutive stochastic steps from a start
+    that is fixed, slides with the training step (MixGRPO) or is drawn per training step (Flow-GRPO-Fast).
+    Positions count the sampler's stochastic steps (std >= min_std), 0 = the noisiest."""
+
+    size: int = Field(..., ge=1, description="SDE (trained) steps in the window: MixGRPO 4, Flow-GRPO-Fast 1-2")
+    start: int = Field(0, ge=0, description="the fixed start, the first start of a sliding window, or the lowest "
+                       "start a random window may draw")
+    shift_every: int | None = Field(None, ge=1, description="MixGRPO's sliding window: the start moves by `stride` "
+                                    "every this many training steps (MixGRPO 25, Flash 20); None = no sliding")
+    stride: int = Field(1, ge=1, description="steps the sliding window moves at each shift (MixGRPO 1)")
+    at_end: Literal["stop", "restart"] = Field(
+        "stop", description="a sliding window past the last start: stop there (MixGRPO's default clip) or "
+        "restart from `start` (MixGRPO's roll_back)")
+    random: bool = Field(False, description="Flow-GRPO-Fast: a uniform start in [start, last start] per training "
+                         "step, from a generator seeded by (run.seed, step)")
+
+    @model_validator(mode="after")
+    def _one_motion(self) -> "SDEWindowConfig":
+        if self.random and self.shift_every is not None:
+            raise ValueError("sampler.sde_window: random=true and shift_every are two ways to move the window; "
+                             "set one (shift_every=None for Flow-GRPO-Fast's random window)")
+        return self
+
+
 class FlowSDESamplerConfig(SamplerBase):
     """Flow-GRPO's SDE on a velocity-prediction (rectified-flow) UNet."""
 
@@ -65,6 +90,18 @@ class FlowSDESamplerConfig(SamplerBase):
     prediction: ClassVar[str] = "velocity"
     noise_level: float = Field(0.7, gt=0.0, le=2.0, description="a in sigma_s = a * sqrt(s / (1 - s))")
     shift: float = Field(1.0, gt=0.0, description="FlowMatchEulerDiscreteScheduler's timestep shift")
+    sde_window: SDEWindowConfig | None = Field(
+        None, description="None: every stochastic step is an SDE step and trained (Flow-GRPO). Set: SDE steps only "
+        "inside this window, deterministic Euler (ODE) steps elsewhere, only the window trained (MixGRPO, "
+        "Flow-GRPO-Fast; rollout/sde_window.py)")
+
+    @model_validator(mode="after")
+    def _window_on_grid(self) -> "FlowSDESamplerConfig":
+        w = self.sde_window
+        if w is not None and w.start + w.size > self.num_steps:
+            raise ValueError(f"sampler.sde_window: start={w.start} + size={w.size} runs past the grid's "
+                             f"num_steps={self.num_steps} steps")
+        return self
 
 
 class MaskedDiffusionSamplerConfig(SamplerBase):

@@ -17,6 +17,12 @@ the next grid value in the denominator, as yifan123/flow_grpo's `sde_step_with_l
 called at timestep s * num_train_timesteps (diffusers' `scheduler.timesteps`).  Steps whose std is
 below `cfg.min_std` (with the default grid, the last one, s = 1/num_train_timesteps -> 0) take the
 mean without noise, carry no log-prob and are never trained.
+
+With `cfg.sde_window` (MixGRPO, Flow-GRPO-Fast) a training rollout draws only the window's steps from the SDE
+(rollout/sde_window.py picks them from the training step); its other stochastic steps take the ODE (Euler) step
+x_next = x + v Delta (the SDE step at noise level a = 0, as flow_grpo's and MixGRPO's ODE steps), carry no
+log-prob and are not trained (the batch's `trainable`). Without a training step (evaluation), every stochastic
+step is an SDE step, as without a window.
 """
 from __future__ import annotations
 
@@ -24,9 +30,11 @@ import torch
 from diffusers import FlowMatchEulerDiscreteScheduler
 from torch import Tensor
 
+from steadyrl.rollout.batch import RolloutBatch
 from steadyrl.rollout.config import FlowSDESamplerConfig, SchedulerConfig
 from steadyrl.rollout.policy import Cond
 from steadyrl.rollout.sampler import ConditionalModel, GaussianStepSampler, StepDistribution
+from steadyrl.rollout.sde_window import window_mask
 
 __all__ = ["FlowSDESampler", "flow_sigmas", "flow_noise_level"]
 
@@ -85,12 +93,42 @@ class FlowSDESampler(GaussianStepSampler):
         self.trainable = self.std >= cfg.min_std  # [T]
         if not bool(torch.isfinite(self.std).all()):
             raise ValueError(f"flow-SDE step stds are not finite: {self.std.tolist()}")
+        if cfg.sde_window is not None:
+            window_mask(cfg.sde_window, self.trainable, 0)  # the window fits the stochastic steps (or a clear error)
+
+    def velocity(self, policy: ConditionalModel, x_t: Tensor, step: Tensor, cond: Cond) -> Tensor:
+        """v(x_t, s, cond) at grid indices `step` [B]: the model called at timestep s * num_train_timesteps
+        (`self.timesteps[step]`); x_t may be any point at grid value s = sigmas[step] (forward-process objectives)."""
+        return policy(x_t, self.timesteps[step].to(x_t.device), cond)
 
     def step_distribution(self, policy: ConditionalModel, x_t: Tensor, step: Tensor, cond: Cond) -> StepDistribution:
         """N(x + [v + sigma_s^2/(2s) (x + (1-s) v)] Delta, (sigma_s sqrt|Delta|)^2 I), in x_t's dtype."""
         s, delta = self._coef(self.sigmas, step, x_t), self._coef(self.delta, step, x_t)
         noise_var = self._coef(self.noise_level, step, x_t) ** 2
-        v = policy(x_t, self.timesteps[step].to(x_t.device), cond)
+        v = self.velocity(policy, x_t, step, cond)
         # x + (1 - s) v is the predicted noise eps_hat; the correction is the score term of the SDE.
         mean = x_t + (v + noise_var / (2 * s) * (x_t + (1 - s) * v)) * delta
         return StepDistribution(mean, self.std[step].to(device=x_t.device, dtype=x_t.dtype))
+
+    def ode_mean(self, policy: ConditionalModel, x_t: Tensor, step: Tensor, cond: Cond) -> Tensor:
+        """The Euler step of the probability-flow ODE: x_next = x + v Delta (the SDE mean at a = 0)."""
+        v = policy(x_t, self.timesteps[step].to(x_t.device), cond)
+        return x_t + v * self._coef(self.delta, step, x_t)
+
+    @property
+    def windowed(self) -> bool:
+        """Training rollouts use an SDE window (they need the training step: `sample(..., train_step=k)`)."""
+        return self.cfg.sde_window is not None
+
+    def sde_steps(self, train_step: int | None, window_seed: int = 0) -> Tensor:
+        """[T] bool: the SDE (trained) steps of a rollout at training step `train_step` (None: all stochastic)."""
+        if self.cfg.sde_window is None or train_step is None:
+            return self.trainable.clone()
+        return window_mask(self.cfg.sde_window, self.trainable, train_step, window_seed)
+
+    def sample(self, policy: ConditionalModel, cond: Tensor, n_per_cond: int, generator: torch.Generator, *,
+               train_step: int | None = None, window_seed: int = 0, **options) -> RolloutBatch:
+        """`GaussianStepSampler.sample` with the SDE window of training step `train_step` (`window_seed`: the run
+        seed, for a random window); `train_step=None` (evaluation) samples every stochastic step from the SDE."""
+        return super().sample(policy, cond, n_per_cond, generator, sde_steps=self.sde_steps(train_step, window_seed),
+                              **options)

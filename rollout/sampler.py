@@ -171,6 +171,10 @@ class GaussianStepSampler(ABC):
     def step_distribution(self, policy: ConditionalModel, x_t: Tensor, step: Tensor, cond: Cond) -> StepDistribution:
         """pi(x_next | x_t) at inference-step indices `step` [B] (on the CPU); the distribution is on x_t's device."""
 
+    def ode_mean(self, policy: ConditionalModel, x_t: Tensor, step: Tensor, cond: Cond) -> Tensor:
+        """The deterministic (probability-flow ODE) step from x_t at `step` [B]; samplers with SDE windows define it."""
+        raise NotImplementedError(f"{type(self).__name__} has no ODE step (no SDE window)")
+
     def _coef(self, values: Tensor, step: Tensor, like: Tensor) -> Tensor:
         """Per-sample schedule values at `step`, shaped to broadcast over `like` [B,...], on its device/dtype."""
         return values[step].to(device=like.device, dtype=like.dtype).view((-1,) + (1,) * (like.dim() - 1))
@@ -186,12 +190,18 @@ class GaussianStepSampler(ABC):
         sample_shape: tuple[int, ...] = (1, 8, 8),
         group_offset: int = 0,
         cond_inputs: dict[str, Tensor] | None = None,
+        sde_steps: Tensor | None = None,
     ) -> RolloutBatch:
         """Draw `n_per_cond` samples for each entry of `cond` (class or prompt ids [C]); one group per entry,
         numbered from `group_offset` (workers use distinct offsets so their batches can be joined).
         `cond_inputs` ({name: [C,...]}, e.g. text embeddings) are what the policy is conditioned on instead
         of the ids; they travel in the batch (`RolloutBatch.model_cond`). Sampling runs on the policy's
-        device; the batch comes back on the CPU, ready for the object store."""
+        device; the batch comes back on the CPU, ready for the object store. `sde_steps` ([T] bool, a subset of
+        `trainable`; None = all of them): the steps drawn stochastically and marked trainable in the batch; the
+        other stochastic steps take the sampler's deterministic `ode_mean` (an SDE window, rollout/sde_window.py)."""
+        sde = self.trainable if sde_steps is None else sde_steps.bool()
+        if sde.shape != self.trainable.shape or bool((sde & ~self.trainable).any()):
+            raise ValueError("sde_steps must be a [T] mask within the sampler's stochastic steps")
         device = module_device(policy)
         n_groups = len(cond)
         cond = cond.long().repeat_interleave(n_per_cond)
@@ -202,8 +212,12 @@ class GaussianStepSampler(ABC):
         x = torch.randn((B, *sample_shape), generator=generator, dtype=dtype).to(device)
         traj, logps = [x], []
         for k in range(T):
-            dist = self.step_distribution(policy, x, torch.full((B,), k, dtype=torch.long), model_cond)
-            stochastic = bool(self.trainable[k])
+            at = torch.full((B,), k, dtype=torch.long)
+            stochastic = bool(sde[k])
+            if stochastic or not bool(self.trainable[k]):  # the SDE kernel (its mean where its std is ~0)
+                dist = self.step_distribution(policy, x, at, model_cond)
+            else:  # a stochastic step outside the SDE window: the ODE step
+                dist = StepDistribution(self.ode_mean(policy, x, at, model_cond), torch.zeros(B, dtype=dtype))
             noise = torch.randn(x.shape, generator=generator, dtype=dtype).to(device) if stochastic else None
             x = self._advance(dist, k, noise)
             logps.append(dist.log_prob(x, self.reduce) if stochastic else torch.zeros(B, dtype=dtype, device=device))
@@ -211,7 +225,7 @@ class GaussianStepSampler(ABC):
         traj_cpu = torch.stack(traj, dim=1).cpu()  # one device -> host copy per rollout, not one per step
         return RolloutBatch(cond=cond, group=group, samples=traj_cpu[:, -1].clone(), traj=traj_cpu,
                             old_logp=torch.stack(logps, dim=1).cpu(), timesteps=self.timesteps.clone(),
-                            trainable=self.trainable.clone(),
+                            trainable=sde.clone(),
                             extras=cond_extras({k: v.cpu() for k, v in per_sample.items()}))
 
     def _steps(self, batch: RolloutBatch, step: Tensor | int) -> Tensor:
@@ -246,6 +260,9 @@ class GaussianStepSampler(ABC):
     @torch.no_grad()
     def recorded_noise(self, policy: ConditionalModel, batch: RolloutBatch, step: int) -> Tensor:
         """z = (x_next - mean) / std of the stored transition at `step` under `policy` (0 where deterministic)."""
+        if not torch.equal(batch.trainable.cpu().bool(), self.trainable):
+            raise ValueError("reward back-propagation re-runs the SDE kernel at every step: it does not support "
+                             "rollouts with an SDE window (sampler.sde_window)")
         dist = self.distribution(policy, batch, step)
         if not bool(self.trainable[step]):
             return torch.zeros_like(dist.mean)

@@ -240,6 +240,9 @@ class TrainConfig(StrictModel):
         if objective_class(self.objective.name).mode == "reward_backprop" and tb.no_reward_backprop is not None:
             raise ValueError(f"objective.name={self.objective.name!r} back-propagates the training reward, but testbed "
                              f"{tb.name!r} cannot: {tb.no_reward_backprop}")
+        if objective_class(self.objective.name).mode == "forward_process" and self.sampler.kind != "flow_sde":
+            raise ValueError(f"objective.name={self.objective.name!r} trains a velocity (rectified-flow) model on its "
+                             f"clean samples re-noised: it needs sampler.kind='flow_sde', not {self.sampler.kind!r}")
         tb.check(self)
         if self.ray.weight_sync == "collective" and self.learner.max_staleness > 0:
             raise ValueError("ray.weight_sync=collective needs learner.max_staleness=0 (pipelined rollouts re-issued "

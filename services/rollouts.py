@@ -50,8 +50,11 @@ class Rollouts:
         gen = torch.Generator().manual_seed(step_seed(self.cfg.run.seed, step, index))
         prompts, group_offset = self.testbed.train_prompts(index, n_workers, step)
         t0 = time.perf_counter()
+        # an SDE window (MixGRPO, Flow-GRPO-Fast) sits where (config, step, run seed) put it, on every worker
+        window = {"train_step": step, "window_seed": self.cfg.run.seed} if getattr(self.sampler, "windowed", False) \
+            else {}
         batch = self.testbed.sample(self.sampler, self.policy, prompts, self.cfg.sampler.group_size, gen,
-                                    group_offset=group_offset)
+                                    group_offset=group_offset, **window)
         t1 = time.perf_counter()
         batch, scores = self.score(batch, score)
         batch = batch.with_extras(**{POLICY_VERSION: torch.full((len(batch),), self.version, dtype=torch.long)})

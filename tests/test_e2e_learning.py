@@ -114,7 +114,8 @@ def test_resume_continues_from_the_latest_checkpoint(smoke_run, tmp_path):
 
 
 @pytest.mark.parametrize("objective, own_keys", [
-    ("gardo.paper", ["gardo/gate_frac", "gardo/beta", "gardo/kl_gated", "gardo/resets", "policy/ratio_std"]),
+    ("gardo.paper", ["gardo/gate_frac", "gardo/beta", "gardo/kl_gated", "gardo/resets", "policy/ratio_std",
+                     "gardo/std_weight_max"]),
     ("draft", ["reward/backprop_mean"]),
 ])
 def test_new_objectives_run_through_the_services_and_log_their_diagnostics(ray_cluster, digits_app, tmp_path, objective,

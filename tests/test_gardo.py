@@ -146,6 +146,98 @@ def test_kl_is_paid_by_gated_samples_only(kl_mode, average):
     assert torch.autograd.grad(loss2, kl2, allow_unused=True) == (None,)
 
 
+# ---------------------------------------------------------------- their loss: std weight, gated KL mean
+def their_micro_batch_loss(new_logp, old_logp, adv, sigma, kl_code, gate, clip, beta):
+    """train_sd3_grpo_gardo.py's micro-batch loss in numpy: mean_b((std_b / mean std) * max(-A r, -A clip(r)))
+    + beta * mean over the gated samples of their KL (kl_code: (mu - mu_ref)^2 / (2 std_dev_t^2), element-mean)."""
+    r = np.exp(new_logp - old_logp)
+    ppo = np.maximum(-adv * r, -adv * np.clip(r, 1 - clip, 1 + clip))
+    policy = np.mean(sigma / sigma.mean() * ppo)
+    return policy + (beta * kl_code[gate].mean() if gate.any() else 0.0)
+
+
+def weighted_inputs(std, dt, gate, n_terms, seed=0):
+    b = len(std)
+    g = torch.Generator().manual_seed(seed)
+    micro = make_batch(np.zeros((b, 2)), ["proxy", "aux"]).with_extras(gardo_gate=torch.tensor(gate))
+    return TermInputs(new_logp=(0.3 * torch.randn(b, generator=g, dtype=torch.float64)).requires_grad_(),
+                      old_logp=0.3 * torch.randn(b, generator=g, dtype=torch.float64),
+                      advantages=torch.randn(b, generator=g, dtype=torch.float64), step=torch.arange(b) % 3,
+                      std=torch.as_tensor(std, dtype=torch.float64), dt=torch.as_tensor(dt, dtype=torch.float64),
+                      n_terms=n_terms, micro=micro,
+                      kl_ref=torch.rand(b, generator=g, dtype=torch.float64).requires_grad_())
+
+
+def test_paper_defaults_are_their_code():
+    cfg = GARDOPaperSettings()
+    assert cfg.kl_average == "gated" and cfg.std_weighting == "sigma"
+    # gardo.seed keeps the earlier loss (all-terms KL, no std weight) as its default
+    seed = GARDOSeedSettings()
+    assert seed.kl_average == "all_terms" and seed.std_weighting == "none"
+
+
+@pytest.mark.parametrize("gate", [[True, False, False, True, False], [False] * 5])
+def test_default_loss_is_their_micro_batch_loss_with_mixed_steps(gate):
+    """Mixed steps in one piece (ours draws each sample's step): the std weights are not 1. Our piece loss is their
+    micro-batch loss scaled by b / n_terms (the pieces of an optimisation step sum to their mean over micro-batches);
+    with no gated sample there is no KL term."""
+    sigma = np.array([1.2, 0.7, 0.7, 0.4, 1.0])  # their std_dev_t per sample (noise level before sqrt|dt|)
+    dt = np.array([0.1, 0.05, 0.05, 0.2, 0.1])
+    n_terms, clip, beta = 15, 0.2, 0.3
+    inp = weighted_inputs(sigma * np.sqrt(dt), dt, gate, n_terms)  # std = the step std s = sigma sqrt|dt|
+    obj = build_objective(GARDOPaperSettings(kl_coef=beta, eps_clip=clip))
+    loss, m = obj.loss(inp, {})
+    g = np.array(gate)
+    theirs = their_micro_batch_loss(inp.new_logp.detach().numpy(), inp.old_logp.numpy(), inp.advantages.numpy(),
+                                    sigma, inp.kl_ref.detach().numpy() * dt, g, clip, beta)
+    assert float(loss.detach()) == pytest.approx(theirs * 5 / n_terms, rel=1e-12)
+    w = sigma / sigma.mean()
+    assert not np.allclose(w, 1) and float(m["gardo/std_weight_max"]) == pytest.approx(w.max())
+    if not g.any():
+        assert torch.autograd.grad(loss, inp.kl_ref, allow_unused=True) == (None,)
+
+
+def test_a_piece_sharing_one_step_has_std_weight_exactly_one():
+    """As in their trainer (a micro-batch at one timestep): sigma_b / mean(sigma) = 1 exactly, the unweighted loss."""
+    gate = [False, True, True, False]
+    inp = weighted_inputs([0.3] * 4, [0.1] * 4, gate, n_terms=8, seed=1)
+    weighted, m = build_objective(GARDOPaperSettings(eps_clip=0.2)).loss(inp, {})
+    plain, _ = build_objective(GARDOPaperSettings(eps_clip=0.2, std_weighting="none")).loss(inp, {})
+    assert float(m["gardo/std_weight_max"]) == 1.0 and float(weighted.detach()) == float(plain.detach())
+
+
+def test_earlier_form_is_the_kl_all_no_std_weight_variant():
+    """`gardo.paper[kl_all,no_std_weight]`: sum_i ppo_i / n_terms + kl_coef * sum_{gated} k_i dt_i / n_terms."""
+    gate = np.array([True, False, True, False, False])
+    std, dt = np.array([0.5, 0.2, 0.3, 0.9, 0.4]), np.array([0.1, 0.3, 0.2, 0.1, 0.05])
+    inp = weighted_inputs(std, dt, gate.tolist(), n_terms=12, seed=2)
+    cfg = GARDOPaperSettings(kl_coef=0.7, eps_clip=0.1, kl_average="all_terms", std_weighting="none")
+    loss, _ = build_objective(cfg).loss(inp, {})
+    r = np.exp(inp.new_logp.detach().numpy() - inp.old_logp.numpy())
+    a = inp.advantages.numpy()
+    ppo = np.maximum(-a * r, -a * np.clip(r, 0.9, 1.1))
+    k = inp.kl_ref.detach().numpy() * dt
+    assert float(loss.detach()) == pytest.approx(ppo.sum() / 12 + 0.7 * k[gate].sum() / 12, rel=1e-12)
+
+
+@pytest.mark.parametrize("weighting", ["sigma", "step"])
+def test_split_parts_sum_to_the_whole_piece_with_std_weight(weighting):
+    """Parts of a piece split to fit memory, given the whole piece's statistics, sum to the whole piece's loss: the
+    std weight's mean is over the whole piece (a sum over rows, `std_sum`), not over each part."""
+    gate = [True, False, False, True, True, False]
+    inp = weighted_inputs([0.5, 0.2, 0.3, 0.9, 0.4, 0.6], [0.1, 0.3, 0.2, 0.1, 0.05, 0.3], gate, n_terms=12, seed=3)
+    obj = build_objective(GARDOPaperSettings(eps_clip=0.2, std_weighting=weighting))
+    whole, _ = obj.loss(inp, {})
+    stats = obj.piece_statistics(inp)
+    parts = 0.0
+    for idx in (torch.tensor([0, 1, 2]), torch.tensor([3, 4, 5])):
+        part = TermInputs(new_logp=inp.new_logp[idx], old_logp=inp.old_logp[idx], advantages=inp.advantages[idx],
+                          step=inp.step[idx], std=inp.std[idx], dt=inp.dt[idx], n_terms=12, kl_ref=inp.kl_ref[idx],
+                          micro=inp.micro.index(idx), piece=stats)
+        parts = parts + obj.loss(part, {})[0]
+    assert float(parts.detach()) == pytest.approx(float(whole.detach()), rel=1e-12)
+
+
 # ---------------------------------------------------------------- reference resets
 def run_step(obj, kls_per_piece, gates, n_terms):
     for kl, gate in zip(kls_per_piece, gates):

@@ -139,10 +139,12 @@ def test_reward_backprop_split_re_runs_each_part_with_its_own_recorded_noise():
 
 def test_gardo_gated_kl_mean_and_its_reset_window_survive_the_split():
     """gardo.paper with kl_average=gated divides each piece's gated KL by the piece's gated count, and its reference
-    reset reads a window that averages over pieces: both must be the whole piece's."""
+    reset reads a window that averages over pieces: both must be the whole piece's. So must the mean of its default
+    std weight sigma_b / mean(sigma) (each sample at its own step: the weights are not 1)."""
     build = ImageBuild(GARDOPaperSettings(kl_average="gated", eps_clip=0.2, kl_coef=1.0))
     split_m, plain_m = assert_split_equals_unsplit(build, brightness_batch(build(None), seed=2))
     assert plain_m["gardo/kl_window_max"] > 0 and plain_m["gardo/gate_frac"] > 0
+    assert plain_m["gardo/std_weight_max"] > 1.1
     assert split_m["gardo/kl_window_max"] == pytest.approx(plain_m["gardo/kl_window_max"], rel=1e-5)
 
 

@@ -137,8 +137,20 @@ class DeepSpeedLearner:
     def context(self) -> UpdateContext:
         """What the recompute pre-pass and the term producers read of this learner."""
         return UpdateContext(sampler=self.sampler, policy=self.engine, reference=self.reference,
-                             objective=self.objective, train_steps=self.train_steps, generator=self.generator,
+                             objective=self.objective, train_steps=self.batch_train_steps(), generator=self.generator,
                              reward_fn=self.reward_fn)
+
+    def batch_train_steps(self) -> Tensor:
+        """The trained steps of the current batch: the sampler's, within the batch's `trainable` steps (an SDE
+        window's steps, rollout/sde_window.py; every stochastic step otherwise). The objective's
+        `timestep_fraction` then draws its share of these."""
+        if self.last_batch is None or self.sequence_level:
+            return self.train_steps
+        steps = self.train_steps[self.last_batch.trainable.cpu().bool()[self.train_steps]]
+        if len(steps) == 0:
+            raise ValueError("the batch's SDE window (sampler.sde_window) has no step with std >= "
+                             "objective.train_min_std: nothing to train")
+        return steps
 
     # ------------------------------------------------------------------ reference (LearnerHooks)
     @torch.no_grad()

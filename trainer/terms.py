@@ -12,11 +12,15 @@ one, in order (the optimiser steps after the last); `piece(key, part)` gives one
                        linearised so the pieces' gradients sum to the sequence objective's; n_terms = sequences
   RewardBackpropTerms  DRaFT-K: one piece per micro-batch, x_0 re-run through the last K steps with gradients and
                        the reward's gradient at it; n_terms = samples
+  ForwardProcessTerms  DiffusionNFT: the clean samples re-noised at drawn grid values of the sampler, the policy's,
+                       old policy's and reference's velocities there; one piece per (micro-batch, j-th grid value);
+                       n_terms = samples x grid values per sample
 
 n_terms and `rows` count every rank's samples of the step (`rows`: rank 0's first).
 """
 from __future__ import annotations
 
+import math
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
 
@@ -24,6 +28,7 @@ import torch
 from torch import Tensor
 
 from steadyrl.rollout.batch import RolloutBatch
+from steadyrl.rollout.flow_sde import FlowSDESampler
 from steadyrl.rollout.sampler import GaussianStepSampler, LogProb, Sampler, StepLogProb
 from steadyrl.trainer.context import DifferentiableReward, UpdateContext
 from steadyrl.trainer.distributed import step_extent
@@ -213,6 +218,49 @@ class RewardBackpropTerms(TermProducer):
                           reward_grad=grad, reward=reward.detach())
 
 
+class ForwardProcessTerms(TermProducer):
+    """Forward-process terms (DiffusionNFT): no log-probs, the clean samples x0 = `mb.samples` re-noised.
+
+    Each sample trains on n = max(1, floor(T * timestep_fraction)) grid values of the sampler's own T steps, the
+    first n of a random permutation of 0..T-1 per sample (t = 1 included), each with fresh noise eps:
+
+        t = sigmas[k],   x_t = (1 - t) x0 + t eps,   v_theta = v(x_t, k) with grad,   v_old, v_ref without
+
+    (the sampler's `velocity` seam; old: the objective's copy of the sampling policy, `old_network`). One piece per
+    (micro-batch, j-th drawn grid value); n_terms = samples x n. Every draw is made at construction.
+    """
+
+    def __init__(self, ctx: UpdateContext, group: list[RolloutBatch], olds: list[OldPolicy]):
+        super().__init__(ctx, group, olds)
+        grid = len(ctx.sampler.timesteps)
+        self.steps_per_sample = n = max(1, math.floor(grid * ctx.objective.cfg.timestep_fraction))
+        gen = ctx.generator
+        self.chosen = [torch.stack([torch.randperm(grid, generator=gen)[:n] for _ in range(len(mb))])
+                       for mb in group]  # [b, n] grid indices per micro-batch
+        self.noise = [torch.randn((n, *mb.samples.shape), generator=gen, dtype=mb.samples.dtype) for mb in group]
+        total, self.rows_before = step_extent(sum(len(mb) for mb in group))
+        self.n_terms = total * n
+        self.count = len(group) * n
+        self.old_net = ctx.objective.old_network(getattr(ctx.policy, "module", ctx.policy))
+
+    def piece(self, key: tuple[int, int], part: Tensor | None = None) -> TermInputs:
+        ctx, (m, j) = self.ctx, key
+        mb, rows, step, eps = self.group[m], self._global_rows()[m], self.chosen[m][:, j], self.noise[m][j]
+        if part is not None:
+            mb, rows, step, eps = mb.index(part), rows[part], step[part], eps[part]
+        x0 = mb.samples
+        t = ctx.sampler.sigmas[step].to(device=x0.device, dtype=x0.dtype)
+        t_b = t.view(-1, *([1] * (x0.dim() - 1)))
+        x_t = (1 - t_b) * x0 + t_b * eps.to(x0.device)  # x_t = (1 - t) x0 + t eps
+        cond = mb.model_cond
+        v = ctx.sampler.velocity(ctx.policy, x_t, step, cond)
+        with torch.no_grad():
+            v_old = ctx.sampler.velocity(self.old_net, x_t, step, cond)
+            v_ref = ctx.sampler.velocity(ctx.reference, x_t, step, cond) if ctx.objective.needs_reference else None
+        return TermInputs(n_terms=self.n_terms, rows=rows, advantages=mb.advantages, step=step, group=mb.group,
+                          micro=mb, x0=x0, t=t, x_t=x_t, velocity=v, old_velocity=v_old, ref_velocity=v_ref)
+
+
 def entropy_request(ctx: UpdateContext, grad: bool) -> dict[str, bool]:
     """The keyword that asks a language-model sampler's `log_prob` for token entropies: only for the pieces
     back-propagated with an entropy bonus (`objective.entropy_coef` > 0), so no other pass pays for them."""
@@ -225,6 +273,11 @@ def term_producer(objective: Objective, sampler: Sampler, reward_fn: Differentia
     if objective.cfg.entropy_coef > 0 and not sampler.sequence_level:
         raise ValueError(f"objective.entropy_coef={objective.cfg.entropy_coef}: the entropy bonus is over a language "
                          f"model's token distribution; sampler.kind={sampler.cfg.kind!r} samples images")
+    if objective.mode == "forward_process":
+        if not isinstance(sampler, FlowSDESampler):
+            raise ValueError(f"objective.name={name!r} trains a velocity (rectified-flow) model on its clean samples "
+                             f"re-noised: it needs sampler.kind='flow_sde', not sampler.kind={sampler.cfg.kind!r}")
+        return ForwardProcessTerms
     if isinstance(objective, RewardBackpropObjective):
         if reward_fn is None:
             raise ValueError(f"objective {name!r} back-propagates a reward: the learner needs a differentiable "

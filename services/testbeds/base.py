@@ -73,10 +73,11 @@ class Testbed(ABC):
         return {}
 
     def sample(self, sampler, policy: nn.Module, prompts: Tensor, n_per_prompt: int, generator,
-               group_offset: int = 0) -> RolloutBatch:
-        """`n_per_prompt` samples of each prompt id through `sampler` (with this testbed's `sample_options`)."""
+               group_offset: int = 0, **options: Any) -> RolloutBatch:
+        """`n_per_prompt` samples of each prompt id through `sampler` (with this testbed's `sample_options`, and
+        `options`: the training step of a windowed flow-SDE sampler)."""
         return sampler.sample(policy, prompts, n_per_prompt, generator, group_offset=group_offset,
-                              **self.sample_options(policy, prompts))
+                              **self.sample_options(policy, prompts), **options)
 
     def reward_inputs(self, policy: nn.Module, batch: RolloutBatch) -> tuple[Any, Any]:
         """(samples, cond) the reward models score: the batch's own, unless the testbed decodes them

@@ -118,6 +118,15 @@ class TermInputs:
     # a piece split to fit memory (trainer/memory_split.py): the unsplit piece's `Objective.piece_statistics`, summed
     # over its parts, so each part normalises as the whole piece does (None: the piece is whole)
     piece: dict[str, Tensor] | None = None
+    # forward-process objectives only (DiffusionNFT, `ForwardProcessTerms`): the clean samples x0 [b,...], their grid
+    # value t [b] and noised x_t = (1 - t) x0 + t eps, and the velocity there of the policy (with grad), of the old
+    # (sampling) policy and of the frozen reference (both without)
+    x0: Tensor | None = None
+    t: Tensor | None = None
+    x_t: Tensor | None = None
+    velocity: Tensor | None = None
+    old_velocity: Tensor | None = None
+    ref_velocity: Tensor | None = None
 
 
 class LearnerHooks(Protocol):
@@ -129,12 +138,16 @@ class LearnerHooks(Protocol):
     def ema_reference(self, decay: float) -> None:
         """ref <- decay * ref + (1 - decay) * policy."""
 
+    def weights(self) -> dict[str, Tensor]:
+        """A CPU copy of the policy's trained tensors (the whole network, or its adapters)."""
+
 
 class Objective(ABC):
     """Base objective: group-relative advantages, no prepare statistics, no reference updates.
 
     Class attributes say what the learner must compute for it:
-      mode:            "policy_gradient" (per-step log-prob ratios) or "reward_backprop" (DRaFT-K)
+      mode:            "policy_gradient" (per-step log-prob ratios), "reward_backprop" (DRaFT-K) or
+                       "forward_process" (DiffusionNFT: velocities at re-noised clean samples)
       needs_prepare:   run the no-grad `prepare` pass (new log-probs of the step's terms) per optimiser step
       needs_old_mean:  keep the old policy's step means from the recompute pass
       needs_reference: compute KL(pi_theta || pi_ref) at each term
@@ -150,7 +163,7 @@ class Objective(ABC):
 
     name: ClassVar[str]
     Settings: ClassVar[type[ObjectiveSettings]]
-    mode: ClassVar[Literal["policy_gradient", "reward_backprop"]] = "policy_gradient"
+    mode: ClassVar[Literal["policy_gradient", "reward_backprop", "forward_process"]] = "policy_gradient"
     needs_prepare: ClassVar[bool] = False
     needs_old_mean: ClassVar[bool] = False
     ratio_scope: ClassVar[Literal["sequence", "term"]] = "sequence"

@@ -14,9 +14,15 @@ flow_grpo/stat_tracking.py). Once per update, on the whole batch:
 
 Per micro-batch x trained step (b samples, n_terms in the optimisation step):
 
-    L   = sum_i ppo_clip(rho_i, A_i) / n_terms + kl_coef * KL_piece
-    KL_piece = sum_{i gated} k_i / n_terms                         kl_average "all_terms"
-             = (sum_{i gated} k_i / #gated) * b / n_terms          kl_average "gated" (their mean)
+    L   = sum_i v_i ppo_clip(rho_i, A_i) / n_terms + kl_coef * KL_piece
+    v_i = sigma_i / mean_piece(sigma)   std_weighting "sigma" (their policy_loss: std_dev_t / mean(std_dev_t)),
+          sigma_i = s_i / sqrt|dt_i| their std_dev_t (the noise level before sqrt|dt|; s the step std);
+        = s_i / mean_piece(s)           "step";   = 1   "none" (and on samplers without Gaussian steps)
+          (1 exactly when the piece shares one step, as in their trainer; ours draws each sample's step)
+    KL_piece = (sum_{i gated} k_i / #gated) * b / n_terms          kl_average "gated" (their mean; default)
+             = sum_{i gated} k_i / n_terms                         kl_average "all_terms"
+    Defaults = their code; kl_average "all_terms" + std_weighting "none" = the earlier form
+    (`gardo.paper[kl_all,no_std_weight]`). gardo.seed keeps that earlier form as its default.
     k_i = ||mu_theta - mu_ref||^2 / (2 s^2) * |dt|  ("code": their sigma_t without sqrt|dt|), or without
           the |dt| factor ("exact"; s the step std), in the sampler's pixel reduction. No gated sample: no KL.
           (A sampler without Gaussian steps has no |dt|: k_i is its KL as it is.)
@@ -57,10 +63,17 @@ class GARDOCommonSettings(PolicyGradientSettings):
     kl_average: Literal["all_terms", "gated"] = Field(
         "all_terms", description="all_terms: sum over gated / n_terms; gated: their mean over the gated samples")
     adv_std_normalise: bool = Field(False, description="divide by the group std + eps_std (their code: no)")
+    std_weighting: Literal["sigma", "step", "none"] = Field(
+        "none", description="PPO term weight std_b / mean(std) over the piece (sigma: std / sqrt|dt|; none: 1)")
 
 
 class GARDOPaperSettings(GARDOCommonSettings):
     name: Literal["gardo.paper"] = "gardo.paper"
+    kl_average: Literal["all_terms", "gated"] = Field(
+        "gated", description="gated: their mean over the gated samples; all_terms: sum over gated / n_terms")
+    std_weighting: Literal["sigma", "step", "none"] = Field(
+        "sigma", description="each sample's PPO term times std_b / mean(std) over the piece: sigma = their "
+                             "std_dev_t (step std / sqrt|dt|), step = the step std, none = weight 1")
     uncertainty_sign: Literal["code", "over_rating"] = "code"
     beta_init: float = Field(0.1, gt=0, le=1)
     beta_min: float = Field(0.02, gt=0, le=1)
@@ -147,7 +160,20 @@ class GARDOBase(PolicyGradientObjective):
         if inputs.micro is None:
             raise ValueError("GARDO needs the learner's micro-batch")
         gate = inputs.micro.extras["gardo_gate"].bool()
-        return {"gated": gate.sum(), "rows": torch.tensor(len(gate))}
+        stats = {"gated": gate.sum(), "rows": torch.tensor(len(gate))}
+        sigma = self.weight_std(inputs)
+        if sigma is not None:
+            stats["std_sum"] = sigma.sum()
+        return stats
+
+    def weight_std(self, inputs: TermInputs) -> Tensor | None:
+        """[b] the std of `std_weighting` (None: weight 1): sigma = s / sqrt|dt| (their std_dev_t), or s."""
+        if self.cfg.std_weighting == "none" or inputs.std is None:
+            return None
+        std = inputs.std.detach().double()
+        if self.cfg.std_weighting == "sigma" and inputs.dt is not None:
+            std = std / inputs.dt.detach().double().sqrt()  # sigma_t = s / sqrt|dt|
+        return std
 
     def loss(self, inputs: TermInputs, stats: dict[str, Tensor]) -> tuple[Tensor, dict[str, Tensor]]:
         if inputs.kl_ref is None or inputs.micro is None:
@@ -157,7 +183,13 @@ class GARDOBase(PolicyGradientObjective):
         log_ratio = inputs.new_logp - inputs.old_logp
         ratio = log_ratio.exp()
         metrics = ratio_metrics(ratio, log_ratio, self.cfg.eps_clip)
-        pg = ppo_clip_loss(ratio, inputs.advantages, self.cfg.eps_clip).sum() / inputs.n_terms  # sum / n_terms
+        per_sample = ppo_clip_loss(ratio, inputs.advantages, self.cfg.eps_clip)
+        sigma = self.weight_std(inputs)
+        if sigma is not None:  # v_i = sigma_i / mean_piece(sigma), the mean over the whole (unsplit) piece
+            weight = sigma / (piece["std_sum"].double() / rows)
+            per_sample = per_sample * weight.to(per_sample.dtype)
+            metrics["gardo/std_weight_max"] = weight.max()
+        pg = per_sample.sum() / inputs.n_terms  # sum_i v_i ppo_i / n_terms
         metrics["policy/pg_loss"] = pg.detach() * inputs.n_terms / len(ratio)
         gate = inputs.micro.extras["gardo_gate"].bool()
         k = inputs.kl_ref * inputs.dt if self.cfg.kl == "code" and inputs.dt is not None else inputs.kl_ref

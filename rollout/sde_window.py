@@ -1,0 +1,58 @@
+"""Where a flow-SDE rollout's SDE window sits at a training step (MixGRPO, Flow-GRPO-Fast).
+
+Positions count the sampler's stochastic steps (P of them, 0 = the noisiest); the window is positions
+[start, start + size).  last = P - size is the last start that keeps the whole window on stochastic steps.
+The start is a pure function of (config, training step, run seed), so a resumed or retried step, and every
+rollout worker of a step, sample with the same window:
+
+    fixed    start_k = start
+    sliding  n = k // shift_every;  raw = start + stride * n                       (MixGRPO's progressive strategy)
+             stop:    start_k = min(raw, last)                                     (its default: clip at the end)
+             restart: start_k = start + stride * (n mod (floor((last - start) / stride) + 1))   (its roll_back)
+    random   start_k ~ U{start, ..., last} from torch.Generator seeded by window_seed(seed, k)  (Flow-GRPO-Fast)
+
+MixGRPO keeps sliding until the start reaches sampling_steps - 2 and lets the window hang over the grid's end;
+here the window stays whole (its start stops at `last`).
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from steadyrl.rollout.config import SDEWindowConfig
+
+__all__ = ["window_start", "window_mask", "window_seed"]
+
+
+def window_seed(seed: int, step: int) -> int:
+    """The random window's generator seed at training step `step` (shared by every worker of the step)."""
+    return (seed * 1_000_003 + step * 7919 + 17) % (2**63 - 1)
+
+
+def window_start(cfg: SDEWindowConfig, n_stochastic: int, step: int, seed: int = 0) -> int:
+    """The window's first position (among the `n_stochastic` stochastic steps) at training step `step`."""
+    last = n_stochastic - cfg.size
+    if cfg.start > last:
+        raise ValueError(f"sampler.sde_window: start={cfg.start} + size={cfg.size} runs past the sampler's "
+                         f"{n_stochastic} stochastic steps (steps with std >= sampler.min_std)")
+    if step < 0:
+        raise ValueError(f"training step must be >= 0, got {step}")
+    if cfg.random:
+        gen = torch.Generator().manual_seed(window_seed(seed, step))
+        return int(torch.randint(cfg.start, last + 1, (1,), generator=gen))
+    if cfg.shift_every is None:
+        return cfg.start
+    n = step // cfg.shift_every  # shifts so far
+    if cfg.at_end == "stop":
+        return min(cfg.start + cfg.stride * n, last)
+    positions = (last - cfg.start) // cfg.stride + 1  # starts visited before the window restarts
+    return cfg.start + cfg.stride * (n % positions)
+
+
+def window_mask(cfg: SDEWindowConfig, stochastic: Tensor, step: int, seed: int = 0) -> Tensor:
+    """[T] bool: the SDE (trained) steps at training step `step`, a window over the `stochastic` [T] steps."""
+    where = torch.nonzero(stochastic).flatten()
+    first = window_start(cfg, len(where), step, seed)
+    mask = torch.zeros_like(stochastic, dtype=torch.bool)
+    mask[where[first:first + cfg.size]] = True
+    return mask
