@@ -27,6 +27,7 @@ rate 0.001, max 0.5), u = updates done (theirs counts optimiser steps: the same 
 """
 from __future__ import annotations
 
+from abc import abstractmethod
 from typing import ClassVar, Literal
 
 import torch
@@ -157,9 +158,9 @@ class DiffusionNFT(Objective):
         metrics["nft/old_deviate"] = per_sample_mean((inputs.velocity - inputs.old_velocity) ** 2).detach().mean()
         return total.sum() / inputs.n_terms, metrics
 
+    @abstractmethod
     def policy_terms(self, inputs: TermInputs, r: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
-        """Each sample's policy loss [b] (with grad)."""
-        raise NotImplementedError
+        """Each sample's policy loss [b] (with grad): each form defines its own."""
 
 
 @register("diffusion_nft.code")
