@@ -92,20 +92,40 @@ def run_all(variants: list[tuple[str, str, list[str]]], seeds: list[int], jobs: 
     return runs
 
 
-def write_results(runs: list[dict[str, Any]], setting: str, out: Path, extra: dict[str, Any] | None = None) -> str:
-    """results.json, table.md and curves.png in `out`; returns the markdown table."""
-    summary = summarise(runs)
+def write_results(runs: list[dict[str, Any]], setting: str, out: Path, extra: dict[str, Any] | None = None,
+                  gold_target: float | None = None) -> str:
+    """results.json, table.md and curves.png in `out` (with `gold_target`, also each method's training time to
+    reach that gold accuracy, and gold_vs_time.png); returns the markdown table."""
+    summary = summarise(runs, gold_target)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(json.dumps({"setting": setting, **(extra or {}), "summary": summary,
-                                                  "runs": runs}, indent=1))
-    table = markdown_table(summary, runs[0]["evals"][0], setting)
+    (out / "results.json").write_text(json.dumps({"setting": setting, **(extra or {}), "gold_target": gold_target,
+                                                  "summary": summary, "runs": runs}, indent=1))
+    table = markdown_table(summary, runs[0]["evals"][0], setting, gold_target)
     (out / "table.md").write_text(table)
     plot(runs, out / "curves.png")
+    if gold_target is not None:
+        plot_gold_vs_time(runs, gold_target, out / "gold_vs_time.png")
     return table
 
 
-def summarise(runs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    """Per method: final eval (mean, std over seeds) and change from the base model (step-0 eval)."""
+def training_seconds(run: dict[str, Any], step: int) -> float:
+    """The run's summed step times (rollout, reward, update, sync: `timing_s/step`) through `step`; evaluations
+    and checkpoints are not counted."""
+    return sum(row["step_s"] for row in run["rows"] if row["step"] <= step)
+
+
+def time_to_gold(run: dict[str, Any], target: float) -> tuple[float, int] | None:
+    """(training seconds, step) at the first evaluation after step 0 whose gold accuracy is >= `target`; None if
+    none is (the resolution is the run's eval_every)."""
+    for e in run["evals"]:
+        if e["step"] > 0 and e.get("held_out", 0.0) >= target:
+            return training_seconds(run, e["step"]), e["step"]
+    return None
+
+
+def summarise(runs: list[dict[str, Any]], gold_target: float | None = None) -> dict[str, dict[str, Any]]:
+    """Per method: final eval (mean, std over seeds) and change from the base model (step-0 eval); with
+    `gold_target`, the seeds that reached it and their mean training seconds and steps to it."""
     keys = ("held_out", "proxy_mean", "diversity_nn", "diversity_pairwise")
     out: dict[str, dict[str, Any]] = {}
     for method in dict.fromkeys(r["method"] for r in runs):
@@ -120,11 +140,17 @@ def summarise(runs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
                                              for r in mine)
         entry["ratio_max"] = max(max(row.get("policy/ratio_max", 0.0) for row in r["rows"]) for r in mine)
         entry["step_s"] = statistics.mean(statistics.mean(row["step_s"] for row in r["rows"]) for r in mine)
+        if gold_target is not None:
+            reached = [t for t in (time_to_gold(r, gold_target) for r in mine) if t is not None]
+            entry["gold_target"] = {"reached": len(reached), "of": len(mine),
+                                    "seconds": statistics.mean(t[0] for t in reached) if reached else None,
+                                    "steps": statistics.mean(t[1] for t in reached) if reached else None}
         out[method] = entry
     return out
 
 
-def markdown_table(summary: dict[str, dict[str, Any]], base: dict[str, float], setting: str) -> str:
+def markdown_table(summary: dict[str, dict[str, Any]], base: dict[str, float], setting: str,
+                   gold_target: float | None = None) -> str:
     def pm(v: tuple[float, float], pct: bool = False) -> str:
         return f"{v[0]:.1%} ± {v[1]:.1%}" if pct else f"{v[0]:.3f} ± {v[1]:.3f}"
 
@@ -144,6 +170,14 @@ def markdown_table(summary: dict[str, dict[str, Any]], base: dict[str, float], s
             f"| {pm(e['diversity_nn'])} ({delta(e['delta_diversity_nn'])}) "
             f"| {pm(e['diversity_pairwise'])} ({delta(e['delta_diversity_pairwise'])}) "
             f"| {e['ratio_std']:.2e} | {e['ratio_max']:.3f} | {e['step_s']:.2f} |")
+    if gold_target is not None:
+        lines += ["", f"Training time to gold accuracy >= {gold_target:.0%} (summed step times, evaluations not "
+                  "counted; mean over the seeds that reached it, at the first evaluation that did):", "",
+                  "| method | seeds reached | training s | steps |", "|---|---|---|---|"]
+        for m, e in summary.items():
+            t = e["gold_target"]
+            time_s, steps = (f"{t['seconds']:.0f}", f"{t['steps']:.1f}") if t["reached"] else ("—", "—")
+            lines.append(f"| {m} | {t['reached']}/{t['of']} | {time_s} | {steps} |")
     return "\n".join(lines) + "\n"
 
 
@@ -173,6 +207,29 @@ def plot(runs: list[dict[str, Any]], path: Path) -> None:
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=7)
     fig.suptitle("hacking benchmark: mean over seeds (5-step moving average), band = min..max over seeds", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def plot_gold_vs_time(runs: list[dict[str, Any]], target: float, path: Path) -> None:
+    """Gold accuracy at each evaluation against the training seconds spent to reach it, one line per run."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    for i, method in enumerate(dict.fromkeys(r["method"] for r in runs)):
+        for j, r in enumerate(x for x in runs if x["method"] == method):
+            evals = [e for e in r["evals"] if "held_out" in e]
+            ax.plot([training_seconds(r, e["step"]) for e in evals], [e["held_out"] for e in evals], color=f"C{i}",
+                    marker=".", alpha=0.8, label=method if j == 0 else None)
+    ax.axhline(target, color="grey", linestyle="--", linewidth=1, label=f"target {target:.0%}")
+    ax.set_xlabel("training seconds (summed step times)")
+    ax.set_ylabel("gold accuracy (eval)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)

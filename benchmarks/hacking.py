@@ -1,6 +1,6 @@
 """Reward-hacking benchmark: which update holds gold accuracy and diversity against a hackable proxy?
 
-    python benchmarks/hacking.py [--steps 40] [--seeds 0 1 2] [--jobs 2] [--out benchmarks/results/hacking]
+    python benchmarks/hacking.py [--suite ddim|flow] [--steps 40] [--seeds 0 1 2] [--jobs 2] [--out DIR]
 
 On digits, every method trains against the same deliberately hackable proxy (`--proxy`, default a
 linear classifier trained on few images) while the gold classifier (disjoint data, never trained on)
@@ -10,7 +10,8 @@ through the product loop, `steadyrl train --local` (benchmarks/compare.py).
 
 Writes to the output folder: results.json (every run's per-step rows and evals), table.md (final
 gold accuracy, proxy reward and diversity per method: mean ± std over seeds, and the change from
-the base model), curves.png (per-method curves with seed bands).
+the base model; with a gold target, the training seconds to reach it), curves.png (per-method
+curves with seed bands) and, with a gold target, gold_vs_time.png.
 """
 from __future__ import annotations
 
@@ -39,7 +40,17 @@ VARIANTS = {"gardo.paper[over_rating]": ("gardo.paper", ["objective.uncertainty_
             "stabledrl.paper[kl]": ("stabledrl.paper", ["objective.kl_coef=0.01"]),
             "stabledrl.paper[kl+anomaly]": ("stabledrl.paper", ["objective.kl_coef=0.01",
                                                                 "health.anomaly.enabled=true"]),
-            "stabledrl.paper[rollback]": ("stabledrl.paper", ["health.rollback.enabled=true"])}
+            "stabledrl.paper[rollback]": ("stabledrl.paper", ["health.rollback.enabled=true"]),
+            # the rectified-flow suite (`--suite flow`): the flow UNet of digits-flow-grpo.yaml, its GRPO beside
+            # DiffusionNFT's two forms, GARDO on NFT and the windowed-SDE presets
+            "flow.grpo": ("configs/digits-flow-grpo.yaml", []),
+            "flow.mixgrpo": ("configs/digits-flow-mixgrpo.yaml", []),
+            "flow.grpo_fast": ("configs/digits-flow-grpo-fast.yaml", []),
+            "diffusion_nft.code": ("configs/digits-flow-nft.yaml", []),
+            "diffusion_nft.paper": ("configs/digits-flow-nft.yaml", ["objective.name=diffusion_nft.paper"]),
+            "gardo.nft": ("configs/digits-flow-gardo-nft.yaml", [])}
+FLOW_METHODS = ["flow.grpo", "flow.mixgrpo", "flow.grpo_fast", "diffusion_nft.code", "diffusion_nft.paper",
+                "gardo.nft"]
 
 # Hackable proxies: a linear classifier fit on ~5% of the proxy split (about 37 images), rewarding
 # p(requested digit) or its unbounded log-odds; the CNN and MLP members stay as the ensemble's
@@ -55,18 +66,29 @@ PROXIES = {"weak_linear": _weak_linear("probability"), "weak_linear_log_odds": _
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--methods", nargs="+", default=METHODS + list(VARIANTS)[:1],
+    ap.add_argument("--suite", choices=["ddim", "flow"], default="ddim",
+                    help="the default methods: the DDIM presets, or the rectified-flow suite (flow GRPO, windowed "
+                         "SDE, DiffusionNFT, GARDO on NFT) with evaluations every 4 steps and a gold target of 80%%")
+    ap.add_argument("--methods", nargs="+", default=None,
                     help=f"presets (configs/digits-<method>.yaml) or named variants {sorted(VARIANTS)}")
     ap.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--samples-per-class", type=int, default=8, help="group size")
     ap.add_argument("--proxy", choices=sorted(PROXIES), default="weak_linear_log_odds")
-    ap.add_argument("--eval-every", type=int, default=10)
+    ap.add_argument("--eval-every", type=int, default=None, help="default: 10 (flow suite: 4)")
+    ap.add_argument("--gold-target", type=float, default=None, help="report each method's training time to this "
+                    "gold accuracy (default: none; flow suite: 0.8)")
     ap.add_argument("--eval-samples-per-class", type=int, default=30)
     ap.add_argument("--jobs", type=int, default=2, help="runs at a time (one process and torch thread each)")
-    ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "hacking")
+    ap.add_argument("--out", type=Path, default=None, help="default: benchmarks/results/hacking (flow suite: "
+                    "hacking_flow)")
     ap.add_argument("--set", nargs="*", default=[], help="extra key.sub=value overrides for every run")
     args = ap.parse_args()
+    flow = args.suite == "flow"
+    args.methods = args.methods or (FLOW_METHODS if flow else METHODS + list(VARIANTS)[:1])
+    args.eval_every = args.eval_every or (4 if flow else 10)
+    args.gold_target = args.gold_target if args.gold_target is not None else (0.8 if flow else None)
+    args.out = args.out or ROOT / "benchmarks" / "results" / ("hacking_flow" if flow else "hacking")
     variants = [(m, *VARIANTS.get(m, (m, [])) ) for m in args.methods]
     for label, method, _ in variants:
         if not preset(method).exists():
@@ -83,7 +105,7 @@ def main() -> None:
     setting = (f"proxy {args.proxy}, {args.steps} steps, {args.samples_per_class} samples per class (group), "
                f"seeds {args.seeds}, eval on {args.eval_samples_per_class} seeded samples per class; "
                f"wall {time.perf_counter() - t0:.0f} s with {args.jobs} jobs")
-    print(write_results(runs, setting, args.out, {"overrides": overrides}))
+    print(write_results(runs, setting, args.out, {"overrides": overrides}, args.gold_target))
 
 
 if __name__ == "__main__":

@@ -242,6 +242,7 @@ def test_split_parts_sum_to_the_whole_piece_with_std_weight(weighting):
 def run_step(obj, kls_per_piece, gates, n_terms):
     for kl, gate in zip(kls_per_piece, gates):
         obj.loss(step_inputs(torch.tensor(kl, dtype=torch.float64), gate, n_terms, dt=1.0), {})
+    obj.step_done()  # as the learner, after the step's last piece
 
 
 def test_reset_fires_on_the_windowed_kl_threshold_and_on_the_period():

@@ -300,6 +300,7 @@ class DeepSpeedLearner:
         self.engine.set_gradient_accumulation_boundary(last)
         self.engine.backward(loss * self.world_size if self.world_size > 1 else loss, scale_wrt_gas=False)
         if last:
+            self.objective.step_done()
             self.objective.regulate_gradients(self.network)  # the objective's own (GRPO-Guard's per-block guard)
             self._pre_clip_norm = self._grad_norm()
             norms = group_grad_norms(self.network)

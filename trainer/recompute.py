@@ -11,7 +11,8 @@
                            are not the learner's): min(pi_prox / pi_b, cap) (trainer/off_policy.py)
   kl_monitor               KL(pi_theta || pi_ref) (`policy/kl_ref_monitor`)
 
-`recompute_old` runs them per micro-batch, in that order.
+`recompute_old` runs them per micro-batch, in that order; forward-process objectives (DiffusionNFT), which read
+no log-probs, get only the KL monitor.
 """
 from __future__ import annotations
 
@@ -151,7 +152,7 @@ class BehaviourWeights:
 
 
 @torch.no_grad()
-def kl_monitor(ctx: UpdateContext, mb: RolloutBatch, old: OldPolicy) -> Tensor:
+def kl_monitor(ctx: UpdateContext, mb: RolloutBatch, old: OldPolicy | None) -> Tensor:
     """[b] KL(pi_theta || pi_ref): sequence-level, k3 of the sequence estimates; else at one random trained step
     per sample (drawn from the learner's generator)."""
     if ctx.sequence_level:
@@ -166,6 +167,9 @@ def recompute_old(ctx: UpdateContext, micro: list[RolloutBatch], updates: int,
                   cfg: LearnerConfig) -> tuple[list[OldPolicy], dict[str, float]]:
     """The old policy of every micro-batch (`updates`: the learner's version, for staleness), and the metrics."""
     steps, sequence, objective = ctx.train_steps, ctx.sequence_level, ctx.objective
+    if objective.mode == "forward_process":  # DiffusionNFT reads no log-probs: only the KL monitor
+        kls = torch.cat([kl_monitor(ctx, mb, None) for mb in micro])
+        return [OldPolicy(torch.zeros_like(mb.old_logp)) for mb in micro], {"policy/kl_ref_monitor": float(kls.mean())}
     alarm, weights = RecomputeAlarm(cfg.logp_alarm), BehaviourWeights(cfg.behaviour_weight_cap)
     olds, kls, engine_samples = [], [], False
     for mb in micro:

@@ -7,7 +7,7 @@ from steadyrl.trainer.objectives import gardo, gardo_seed  # noqa: F401,E402  (r
 from steadyrl.trainer.objectives import grpo_guard, reward_backprop  # noqa: F401,E402  ("grpo_guard.paper", "draft", "grpo_guard.seed")
 from steadyrl.trainer.objectives import stabledrl_code, stabledrl_paper  # noqa: F401,E402  (registers "stabledrl.*")
 from steadyrl.trainer.objectives import bgpo  # noqa: F401,E402  (registers "bgpo.paper")
-from steadyrl.trainer.objectives import diffusion_nft  # noqa: F401,E402  (registers "diffusion_nft.code", ".paper")
+from steadyrl.trainer.objectives import diffusion_nft, gardo_nft  # noqa: F401,E402  ("diffusion_nft.*", "gardo.nft")
 
 __all__ = ["LearnerHooks", "Objective", "ObjectiveSettings", "PolicyGradientObjective", "RewardBackpropObjective",
            "TermInputs", "available", "build_objective", "objective_class", "register",

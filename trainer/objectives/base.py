@@ -228,6 +228,10 @@ class Objective(ABC):
         piece's backward, before the learner's clipping, module scaling and optimiser step): an objective may
         rescale them in place (GRPO-Guard's seed form, per UNet block). Default: nothing."""
 
+    def step_done(self) -> None:
+        """Called once per optimisation step, after its last piece's loss (GARDO closes its windowed KL). Default:
+        nothing."""
+
     def after_update(self, hooks: LearnerHooks, metrics: dict[str, float]) -> dict[str, float]:
         """After each update: reference resets/EMA, adaptive constants. Returns extra metrics."""
         return {}

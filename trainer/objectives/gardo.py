@@ -50,8 +50,8 @@ from steadyrl.reward.diversity import cosine_nearest_neighbour_distance
 from steadyrl.reward.uncertainty import rank_difference_uncertainty
 from steadyrl.rollout.batch import RolloutBatch
 from steadyrl.trainer.advantages import centred_rewards
-from steadyrl.trainer.objectives.base import (LearnerHooks, PolicyGradientObjective, PolicyGradientSettings, TermInputs,
-                                     ratio_metrics)
+from steadyrl.trainer.objectives.base import (LearnerHooks, ObjectiveSettings, PolicyGradientObjective,
+                                              PolicyGradientSettings, TermInputs, ratio_metrics)
 from steadyrl.trainer.objectives.grpo import ppo_clip_loss
 from steadyrl.trainer.objectives.registry import register
 
@@ -67,19 +67,24 @@ class GARDOCommonSettings(PolicyGradientSettings):
         "none", description="PPO term weight std_b / mean(std) over the piece (sigma: std / sqrt|dt|; none: 1)")
 
 
-class GARDOPaperSettings(GARDOCommonSettings):
-    name: Literal["gardo.paper"] = "gardo.paper"
-    kl_average: Literal["all_terms", "gated"] = Field(
-        "gated", description="gated: their mean over the gated samples; all_terms: sum over gated / n_terms")
-    std_weighting: Literal["sigma", "step", "none"] = Field(
-        "sigma", description="each sample's PPO term times std_b / mean(std) over the piece: sigma = their "
-                             "std_dev_t (step std / sqrt|dt|), step = the step std, none = weight 1")
+class RankGateSettings(ObjectiveSettings):
+    """The rank gate's settings (`rank_gate`), shared by gardo.paper and gardo.nft (their RiskCompensator)."""
+
     uncertainty_sign: Literal["code", "over_rating"] = "code"
     beta_init: float = Field(0.1, gt=0, le=1)
     beta_min: float = Field(0.02, gt=0, le=1)
     beta_max: float = Field(0.2, gt=0, le=1)
     beta_rate: float = Field(0.1, ge=0, lt=1, description="beta *= 1 +- rate")
     beta_window: int = Field(20, ge=1, description="past m's compared against")
+
+
+class GARDOPaperSettings(GARDOCommonSettings, RankGateSettings):
+    name: Literal["gardo.paper"] = "gardo.paper"
+    kl_average: Literal["all_terms", "gated"] = Field(
+        "gated", description="gated: their mean over the gated samples; all_terms: sum over gated / n_terms")
+    std_weighting: Literal["sigma", "step", "none"] = Field(
+        "sigma", description="each sample's PPO term times std_b / mean(std) over the piece: sigma = their "
+                             "std_dev_t (step std / sqrt|dt|), step = the step std, none = weight 1")
     ref_kl_threshold: float = Field(3e-4, gt=0, description="hard reset when a windowed KL exceeds this")
     ref_reset_every: int = Field(16, ge=1, description="hard reset after this many updates without one")
 
@@ -112,7 +117,7 @@ def aux_scores(batch: RolloutBatch) -> Tensor:
     return batch.rewards[:, cols]
 
 
-def adapt_beta(beta: float, window: Tensor, m: float, cfg: GARDOPaperSettings) -> tuple[float, Tensor]:
+def adapt_beta(beta: float, window: Tensor, m: float, cfg: RankGateSettings) -> tuple[float, Tensor]:
     """Their RiskCompensator.update: compare m with the window *before* appending it."""
     if len(window) == 0:
         beta = cfg.beta_init
@@ -132,13 +137,57 @@ def percentile_gate(u: Tensor, beta: float) -> tuple[Tensor, float]:
     return (u >= 0) & (u > thr), thr
 
 
+def rank_gate_state(cfg: RankGateSettings) -> dict[str, Tensor]:
+    """The rank gate's state at the start: beta and the window of past m's."""
+    return {"beta": torch.tensor(cfg.beta_init, dtype=torch.float64), "m_window": torch.zeros(0, dtype=torch.float64)}
+
+
+def rank_gate(batch: RolloutBatch, state: dict[str, Tensor], cfg: RankGateSettings) -> tuple[Tensor, dict[str, float]]:
+    """[B] bool, the samples that pay the KL (module docstring: u, m, beta, gate_i); moves `state`'s beta and window."""
+    u = rank_difference_uncertainty(batch.train_reward(), aux_scores(batch), cfg.uncertainty_sign)
+    m = float(u[u >= 0].mean()) if bool((u >= 0).any()) else 0.0  # sum u = 0: never empty
+    beta, state["m_window"] = adapt_beta(float(state["beta"]), state["m_window"], m, cfg)
+    state["beta"] = torch.tensor(beta, dtype=torch.float64)
+    gate, thr = percentile_gate(u, beta)
+    return gate, {"gardo/beta": beta, "gardo/u_mean": m, "gardo/u_threshold": thr}
+
+
+class StepKLWindow:
+    """GARDO's windowed KL (their `info["kl_loss"]`, logged per optimiser step): the mean over an optimisation step's
+    pieces of each piece's KL; `take_max` gives the update's largest, the max over the learner ranks (each rank's
+    window is over its own pieces). A piece split to fit memory counts once: each part adds its share of the piece's
+    KL and its fraction of the piece's rows."""
+
+    def __init__(self) -> None:
+        self.kl, self.pieces, self.largest = 0.0, 0.0, 0.0
+
+    def add(self, kl_share: float, piece_fraction: float) -> None:
+        self.kl += kl_share
+        self.pieces += piece_fraction
+
+    def close_step(self) -> None:
+        """The optimisation step's last piece is in: its mean joins the update's max."""
+        if self.pieces > 0:
+            self.largest = max(self.largest, self.kl / self.pieces)
+        self.kl, self.pieces = 0.0, 0.0
+
+    def take_max(self) -> float:
+        """The update's largest step window (max over learner ranks), and clear it."""
+        self.close_step()
+        value = torch.tensor(self.largest, dtype=torch.float64)
+        if torch.distributed.is_available() and torch.distributed.is_initialized() \
+                and torch.distributed.get_world_size() > 1:
+            torch.distributed.all_reduce(value, op=torch.distributed.ReduceOp.MAX)
+        self.largest = 0.0
+        return float(value)
+
+
 class GARDOBase(PolicyGradientObjective):
     """Shared loss (PPO clip on all samples + KL on the gated ones) and per-step windowed KL."""
 
     def __init__(self, cfg: GARDOCommonSettings):
         super().__init__(cfg)
-        self._win = [0.0, 0.0, 0]  # this optimisation step: sum of piece KLs, pieces, terms seen
-        self._win_max = 0.0
+        self.window = StepKLWindow()
 
     @property
     def needs_reference(self) -> bool:
@@ -201,22 +250,11 @@ class GARDOBase(PolicyGradientObjective):
             loss = pg + self.kl_weight * kl
             piece_kl = float(k[gate].detach().mean()) * (int(gate.sum()) / gated)  # a part's share of the mean
             metrics["gardo/kl_gated"] = k[gate].detach().mean()
-        self._win[0] += piece_kl
-        self._win[1] += len(gate) / rows  # a whole piece counts once, its parts their shares
-        self._win[2] += len(gate)
-        if self._win[2] >= inputs.n_terms:  # the optimisation step's last piece
-            self._win_max = max(self._win_max, self._win[0] / self._win[1])
-            self._win = [0.0, 0, 0]
+        self.window.add(piece_kl, len(gate) / rows)  # a whole piece counts once, its parts their shares
         return loss, metrics
 
-    def take_window_max(self) -> float:
-        """The update's largest windowed KL (max over learner ranks), and clear it."""
-        value = torch.tensor(self._win_max, dtype=torch.float64)
-        if torch.distributed.is_available() and torch.distributed.is_initialized() \
-                and torch.distributed.get_world_size() > 1:
-            torch.distributed.all_reduce(value, op=torch.distributed.ReduceOp.MAX)
-        self._win, self._win_max = [0.0, 0, 0], 0.0
-        return float(value)
+    def step_done(self) -> None:
+        self.window.close_step()
 
 
 @register("gardo.paper")
@@ -225,20 +263,13 @@ class GARDOPaper(GARDOBase):
 
     def __init__(self, cfg: GARDOPaperSettings):
         super().__init__(cfg)
-        self.state = {"beta": torch.tensor(cfg.beta_init, dtype=torch.float64),
-                      "m_window": torch.zeros(0, dtype=torch.float64),
-                      "updates_since_reset": torch.tensor(0), "resets": torch.tensor(0)}
+        self.state = {**rank_gate_state(cfg), "updates_since_reset": torch.tensor(0), "resets": torch.tensor(0)}
 
     def gate(self, batch: RolloutBatch) -> tuple[Tensor, dict[str, float]]:
-        u = rank_difference_uncertainty(batch.train_reward(), aux_scores(batch), self.cfg.uncertainty_sign)
-        m = float(u[u >= 0].mean()) if bool((u >= 0).any()) else 0.0  # sum u = 0: never empty
-        beta, self.state["m_window"] = adapt_beta(float(self.state["beta"]), self.state["m_window"], m, self.cfg)
-        self.state["beta"] = torch.tensor(beta, dtype=torch.float64)
-        gate, thr = percentile_gate(u, beta)
-        return gate, {"gardo/beta": beta, "gardo/u_mean": m, "gardo/u_threshold": thr}
+        return rank_gate(batch, self.state, self.cfg)
 
     def after_update(self, hooks: LearnerHooks, metrics: dict[str, float]) -> dict[str, float]:
-        kl = self.take_window_max()
+        kl = self.window.take_max()
         since = int(self.state["updates_since_reset"]) + 1
         reset = kl > self.cfg.ref_kl_threshold or since >= self.cfg.ref_reset_every
         if reset:

@@ -49,7 +49,7 @@ class GARDOSeed(GARDOBase):
         return g > self.cfg.kendall_delta, {"gardo/u_mean": float(g.mean()), "gardo/u_max": float(g.max())}
 
     def after_update(self, hooks: LearnerHooks, metrics: dict[str, float]) -> dict[str, float]:
-        kl = self.take_window_max()
+        kl = self.window.take_max()
         hooks.ema_reference(self.cfg.ema_decay)
         self.state["ema_updates"] = self.state["ema_updates"] + 1
         return {"gardo/kl_window_max": kl, "gardo/ema_decay": self.cfg.ema_decay,
