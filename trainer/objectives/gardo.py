@@ -152,6 +152,24 @@ def rank_gate(batch: RolloutBatch, state: dict[str, Tensor], cfg: RankGateSettin
     return gate, {"gardo/beta": beta, "gardo/u_mean": m, "gardo/u_threshold": thr}
 
 
+def gated_diversity_batch(batch: RolloutBatch, gate: Tensor, metrics: dict[str, float], adv_clip: float,
+                          std_normalise: bool = False, eps_std: float = 1e-4) -> tuple[RolloutBatch, dict[str, float]]:
+    """The batch with the diversity-aware advantage and the gate (extras["gardo_gate"]), and the gate's and the
+    diversity weight's metrics added to `metrics`."""
+    adv, w, d = diversity_advantages(batch, adv_clip, std_normalise, eps_std)
+    metrics.update({"gardo/gate_frac": float(gate.double().mean()), "gardo/div_weight_mean": float(w.mean()),
+                    "gardo/div_distance_mean": float(d.mean())})
+    return batch.replace(advantages=adv).with_extras(gardo_gate=gate), metrics
+
+
+def gate_statistics(inputs: TermInputs) -> dict[str, Tensor]:
+    """A piece's gated samples and rows (sums over its rows: a split piece's parts add up to them)."""
+    if inputs.micro is None:
+        raise ValueError("GARDO needs the learner's micro-batch")
+    gate = inputs.micro.extras["gardo_gate"].bool()
+    return {"gated": gate.sum(), "rows": torch.tensor(len(gate))}
+
+
 class StepKLWindow:
     """GARDO's windowed KL (their `info["kl_loss"]`, logged per optimiser step): the mean over an optimisation step's
     pieces of each piece's KL; `take_max` gives the update's largest, the max over the learner ranks (each rank's
@@ -199,17 +217,12 @@ class GARDOBase(PolicyGradientObjective):
 
     def prepare_batch(self, batch: RolloutBatch) -> tuple[RolloutBatch, dict[str, float]]:
         gate, metrics = self.gate(batch)
-        adv, w, d = diversity_advantages(batch, self.cfg.adv_clip, self.cfg.adv_std_normalise, self.cfg.eps_std)
-        metrics.update({"gardo/gate_frac": float(gate.double().mean()), "gardo/div_weight_mean": float(w.mean()),
-                        "gardo/div_distance_mean": float(d.mean())})
-        return batch.replace(advantages=adv).with_extras(gardo_gate=gate), metrics
+        return gated_diversity_batch(batch, gate, metrics, self.cfg.adv_clip, self.cfg.adv_std_normalise,
+                                     self.cfg.eps_std)
 
     def piece_statistics(self, inputs: TermInputs) -> dict[str, Tensor]:
         """The piece's gated samples and rows: the `gated` KL average's and the window's normalisers."""
-        if inputs.micro is None:
-            raise ValueError("GARDO needs the learner's micro-batch")
-        gate = inputs.micro.extras["gardo_gate"].bool()
-        stats = {"gated": gate.sum(), "rows": torch.tensor(len(gate))}
+        stats = gate_statistics(inputs)
         sigma = self.weight_std(inputs)
         if sigma is not None:
             stats["std_sum"] = sigma.sum()

@@ -37,8 +37,8 @@ from steadyrl.rollout.batch import RolloutBatch
 from steadyrl.trainer.objectives.base import LearnerHooks, TermInputs
 from steadyrl.trainer.objectives.diffusion_nft import (DiffusionNFTCode, DiffusionNFTSettings, optimality,
                                                        per_sample_mean)
-from steadyrl.trainer.objectives.gardo import RankGateSettings, StepKLWindow, diversity_advantages, rank_gate, \
-    rank_gate_state
+from steadyrl.trainer.objectives.gardo import (RankGateSettings, StepKLWindow, gate_statistics, gated_diversity_batch,
+                                              rank_gate, rank_gate_state)
 from steadyrl.trainer.objectives.registry import register
 
 
@@ -78,18 +78,13 @@ class GARDONFT(DiffusionNFTCode):
     def prepare_batch(self, batch: RolloutBatch) -> tuple[RolloutBatch, dict[str, float]]:
         """gate_i and A_i = clip((r_i - mean_g r) w_i, +-c) (module docstring)."""
         gate, metrics = rank_gate(batch, self.state, self.cfg)
-        adv, w, d = diversity_advantages(batch, self.cfg.adv_clip)
-        metrics.update({"gardo/gate_frac": float(gate.double().mean()), "gardo/div_weight_mean": float(w.mean()),
-                        "gardo/div_distance_mean": float(d.mean()),
-                        "nft/optimality_mean": float(optimality(adv, self.cfg.adv_clip).mean())})
-        return batch.replace(advantages=adv).with_extras(gardo_gate=gate), metrics
+        batch, metrics = gated_diversity_batch(batch, gate, metrics, self.cfg.adv_clip)  # no std division
+        metrics["nft/optimality_mean"] = float(optimality(batch.advantages, self.cfg.adv_clip).mean())
+        return batch, metrics
 
     def piece_statistics(self, inputs: TermInputs) -> dict[str, Tensor]:
         """The piece's gated samples and rows: KL_piece's normaliser."""
-        if inputs.micro is None:
-            raise ValueError("gardo.nft needs the learner's micro-batch")
-        gate = inputs.micro.extras["gardo_gate"].bool()
-        return {"gated": gate.sum(), "rows": torch.tensor(len(gate))}
+        return gate_statistics(inputs)
 
     def loss(self, inputs: TermInputs, stats: dict[str, Tensor]) -> tuple[Tensor, dict[str, Tensor]]:
         """sum_i policy_i / n_terms + kl_coef KL_piece b / n_terms (module docstring)."""
