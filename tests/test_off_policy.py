@@ -19,9 +19,10 @@ CAP = 2.0
 
 @pytest.fixture(scope="module")
 def learner():
-    # one micro-batch, one optimiser step per update: the update's gradient is one back-propagation
+    # one micro-batch, one optimiser step per update: the update's gradient is one back-propagation; the current
+    # batch of the weighting test carries deliberately wrong log-probs, which only a recompute replaces
     return tiny_learner(LearnerConfig(lr=1e-3, micro_batch_size=32, inner_epochs=1, max_staleness=1,
-                                      behaviour_weight_cap=CAP))
+                                      behaviour_weight_cap=CAP, old_logp="recompute"))
 
 
 def _batch(learner, version: int | None, behaviour_shift: float = 0.0, seed: int = 0):

@@ -63,6 +63,20 @@ class LearnerConfig(StrictModel):
         "error in the backward, which cannot be split")
     logp_alarm: float = Field(1e-3, gt=0, description="warn when |recomputed - rollout old logp| exceeds this "
                               "(samples from the current policy; a lagged batch's gap is the lag, not an alarm)")
+    old_logp: Literal["auto", "recompute"] = Field(
+        "auto", description="where the old policy's log-probs come from: 'recompute' runs the no-grad pre-pass over "
+        "every trained step each update; 'auto' runs it every logp_check_every updates and, in between, takes the "
+        "rollout's own log-probs for samples of the current policy while the last check found them within "
+        "logp_trust_tol of the recompute. The rollout samples with the learner's weights and micro-batching, so on "
+        "a Gaussian sampler they are usually the same numbers: the pre-pass was about a fifth of the default update "
+        "(benchmarks/update_limit.py). Lagged or engine samples, and objectives that read the old step means, "
+        "per-token terms or recorded noise, are always recomputed")
+    logp_check_every: int = Field(10, ge=1, description="old_logp: auto recomputes and compares every this many "
+                                  "updates (and every update after a check that failed): a weight sync gone wrong "
+                                  "is caught within this many updates")
+    logp_trust_tol: float = Field(0.0, ge=0, description="old_logp: auto trusts the rollout's log-probs when the "
+                                  "last check's max |recomputed - rollout| is at most this; 0: only when they were "
+                                  "bitwise equal, so a trusted update uses the numbers a recompute would give")
     max_staleness: int = Field(0, ge=0, le=4, description="updates a batch's behaviour policy may lag the learner: "
                                "0 = synchronous (every batch sampled with the current weights); 1 = one-step-off-"
                                "policy pipelining (rollouts of step k+1 run while the learner trains on step k: the "

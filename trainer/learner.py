@@ -8,7 +8,8 @@ One `update(batch)`:
  2. a fixed shuffle into micro-batches; a no-grad pre-pass (trainer/recompute.py) recomputes old_logp (and,
     where the objective asks, the old step means) at every trained step with the update's own micro-batching
     (float32 numerics depend on batch shape and threads), logs the gap to the rollout's values
-    (`policy/rollout_logp_absdiff_max`), the KL to the reference, and weighs lagged samples;
+    (`policy/rollout_logp_absdiff_max`), the KL to the reference, and weighs lagged samples; between checks
+    (`learner.old_logp: auto`) current samples keep the rollout's log-probs while they matched the recompute;
  3. `inner_epochs` passes over optimisation steps of `optim_batch_size` samples (several micro-batches). Per
     optimisation step a term producer (trainer/terms.py: per-step, sequence or reward back-propagation, picked
     once by objective and sampler) draws the step's randomness; the objective may run a no-grad `prepare` over
@@ -22,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import time
 from collections import defaultdict
 from pathlib import Path
 
@@ -48,7 +50,7 @@ from steadyrl.trainer.lr_schedule import lr_factor
 from steadyrl.trainer.memory_split import PieceSplitter
 from steadyrl.trainer.objectives import Objective
 from steadyrl.trainer.off_policy import check_staleness, staleness
-from steadyrl.trainer.recompute import OldPolicy, recompute_old
+from steadyrl.trainer.recompute import OldPolicy, RolloutLogpTrust, recompute_old
 from steadyrl.trainer.terms import TermProducer, term_producer
 
 log = logging.getLogger(__name__)
@@ -124,6 +126,8 @@ class DeepSpeedLearner:
         self.splitter = PieceSplitter(learner_cfg.activation_memory_cap_mb, [policy, *frozen],  # out-of-memory splits
                                       collective_backward=self.world_size > 1 and learner_cfg.zero_stage >= 2)
         self.last_batch: RolloutBatch | None = None
+        self.logp_trust = RolloutLogpTrust(learner_cfg.old_logp, learner_cfg.logp_check_every,
+                                           learner_cfg.logp_trust_tol)
 
     @property
     def policy(self) -> nn.Module:
@@ -212,8 +216,10 @@ class DeepSpeedLearner:
         perm = torch.randperm(len(mine), generator=self.generator)
         count = micro_batch_count([len(s) for s in shares], self.cfg.micro_batch_size)
         micro = [mb.to(device=self.device) for mb in split_into(mine.index(perm), count, self.cfg.micro_batch_size)]
+        t0 = time.perf_counter()
         olds, recompute_metrics = self._recompute_old(micro)
         metrics.update(recompute_metrics)
+        metrics["timing_s/old_policy"] = time.perf_counter() - t0
         k = self.cfg.micro_per_optim_step
         groups = [list(range(i, min(i + k, len(micro)))) for i in range(0, len(micro), k)]
         sums = MetricSums()
@@ -232,6 +238,7 @@ class DeepSpeedLearner:
         metrics.update(sums.result())
         metrics.update(self.splitter.metrics())  # memory/splits, memory/piece_size_min (trainer/memory_split.py)
         metrics = reduce_metrics(metrics)  # every rank's objective state then moves alike
+        self.logp_trust.observe(metrics)
         metrics.update(self.objective.after_update(self, metrics))
         metrics.update({
             "policy/grad_norm": sum(grad_norms) / max(1, len(grad_norms)),
@@ -262,7 +269,8 @@ class DeepSpeedLearner:
 
     def _recompute_old(self, micro: list[RolloutBatch]) -> tuple[list[OldPolicy], dict[str, float]]:
         """The no-grad pre-pass over the update's micro-batches (trainer/recompute.py) and its metrics."""
-        return recompute_old(self.context(), micro, self.updates, self.cfg)
+        return recompute_old(self.context(), micro, self.updates, self.cfg,
+                             recompute=self.logp_trust.recompute_due(self.updates))
 
     def _optimisation_step(self, group: list[RolloutBatch], olds: list[OldPolicy], sums: MetricSums) -> None:
         """One optimiser step over `group`'s micro-batches: the update path's terms, the objective's no-grad
@@ -360,7 +368,7 @@ class DeepSpeedLearner:
                     "objective": self.objective.name, "objective_state": self.objective.state_dict(),
                     "advantage_clipper": (None if self.advantage_clipper is None
                                           else self.advantage_clipper.state_dict()),
-                    "world_size": self.world_size},
+                    "world_size": self.world_size, "logp_trust": self.logp_trust.state_dict()},
                    directory / "learner_state.pt")
 
     def load(self, directory: Path) -> None:
@@ -380,5 +388,7 @@ class DeepSpeedLearner:
         self.generator.set_state(own["generator"])
         self.updates = int(state["updates"])
         self.objective.load_state_dict(state["objective_state"])
+        if "logp_trust" in state:  # checkpoints from before learner.old_logp recompute at their next update
+            self.logp_trust.load_state_dict(state["logp_trust"])
         if self.advantage_clipper is not None and state.get("advantage_clipper") is not None:
             self.advantage_clipper.load_state_dict(state["advantage_clipper"])

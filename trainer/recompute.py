@@ -10,6 +10,8 @@
   BehaviourWeights         lagged (asynchronous) samples, and samples of an inference engine (vLLM, whose numerics
                            are not the learner's): min(pi_prox / pi_b, cap) (trainer/off_policy.py)
   kl_monitor               KL(pi_theta || pi_ref) (`policy/kl_ref_monitor`)
+  RolloutLogpTrust         `learner.old_logp: auto`: between checks, the rollout's own log-probs of current samples
+                           stand in for old_policy's (`rollout_old_policy`) while the last check found them equal
 
 `recompute_old` runs them per micro-batch, in that order; forward-process objectives (DiffusionNFT), which read
 no log-probs, get only the KL monitor.
@@ -78,6 +80,41 @@ def old_policy(sampler: Sampler, policy: nn.Module, mb: RolloutBatch, steps: Ten
     return OldPolicy(lp, mean, token_logp=tokens)
 
 
+def rollout_old_policy(mb: RolloutBatch, steps: Tensor) -> OldPolicy:
+    """The rollout's log-probs [b,T] at `steps` (0 elsewhere, as `old_policy` leaves them): the old policy when the
+    samples are the current policy's and the rollout computed them as the learner would (`RolloutLogpTrust`)."""
+    lp = torch.zeros_like(mb.old_logp)
+    lp[:, steps] = mb.old_logp[:, steps]
+    return OldPolicy(lp)
+
+
+class RolloutLogpTrust:
+    """`learner.old_logp`: whether an update may skip the pre-pass's log-prob recompute for current samples.
+
+    recompute: never. auto: an update recomputes (a check) when `updates % check_every == 0` or the last check's
+    gap max |recomputed - rollout| exceeded `tol` (or none was made); otherwise micro-batches whose samples are all
+    the current policy's take `rollout_old_policy`. The state is the last check's verdict (checkpointed), and
+    the verdict comes from the rank-reduced gap, so every rank decides alike."""
+
+    def __init__(self, mode: str, check_every: int, tol: float):
+        self.mode, self.check_every, self.tol = mode, check_every, tol
+        self.trusted = False
+
+    def recompute_due(self, updates: int) -> bool:
+        return self.mode == "recompute" or not self.trusted or updates % self.check_every == 0
+
+    def observe(self, metrics: dict[str, float]) -> None:
+        """After an update that checked (`policy/rollout_logp_checked` > 0), the verdict on its gap."""
+        if self.mode == "auto" and metrics.get("policy/rollout_logp_checked", 0.0) > 0:
+            self.trusted = metrics["policy/rollout_logp_absdiff_max"] <= self.tol
+
+    def state_dict(self) -> dict[str, bool]:
+        return {"trusted": self.trusted}
+
+    def load_state_dict(self, state: dict[str, bool]) -> None:
+        self.trusted = bool(state["trusted"])
+
+
 @torch.no_grad()
 def reference_sequence_logp(sampler: Sampler, reference: nn.Module, mb: RolloutBatch, steps: Tensor) -> Tensor:
     """[b] the reference's sequence estimate: its mean over the MC samples `steps`."""
@@ -114,13 +151,14 @@ class RecomputeAlarm:
             self.token_gaps.append((old.token_logp[:, 0] - sampled.to(lp))[rows].abs().max())
 
     def metrics(self) -> dict[str, float]:
+        """The gap (0 with nothing compared), its alarm, and whether anything was compared (`_checked`)."""
         absdiff = float(torch.stack(self.gaps).max()) if self.gaps else 0.0
         extra = {"policy/rollout_token_logp_absdiff_max": float(torch.stack(self.token_gaps).max())} \
             if self.token_gaps else {}
         if absdiff > self.threshold:
             log.warning("recomputed old log-probs differ from the rollout's by %.2e (> %.0e): policy "
                         "weights out of sync or numerics drift", absdiff, self.threshold)
-        return {"policy/rollout_logp_absdiff_max": absdiff,
+        return {"policy/rollout_logp_absdiff_max": absdiff, "policy/rollout_logp_checked": float(bool(self.gaps)),
                 "policy/rollout_logp_alarm": float(absdiff > self.threshold), **extra}
 
 
@@ -162,32 +200,53 @@ def kl_monitor(ctx: UpdateContext, mb: RolloutBatch, old: OldPolicy | None) -> T
     return ctx.kl_to_reference(mb, s)
 
 
+def trusts_rollout(ctx: UpdateContext, mb: RolloutBatch, lagged: Tensor, engine: Tensor) -> bool:
+    """Whether `rollout_old_policy` gives the old log-probs the pre-pass would for `mb`: every sample the current
+    policy's, with finite log-probs, for an objective that reads no old step means, per-token terms or noise."""
+    objective = ctx.objective
+    if objective.needs_old_mean or objective.token_level \
+            or isinstance(objective, RewardBackpropObjective) or BEHAVIOUR_TOKEN_LOGP in mb.extras:
+        return False
+    return not bool((lagged | engine).any()) and bool(mb.old_logp[:, ctx.train_steps].isfinite().all())
+
+
 @torch.no_grad()
-def recompute_old(ctx: UpdateContext, micro: list[RolloutBatch], updates: int,
-                  cfg: LearnerConfig) -> tuple[list[OldPolicy], dict[str, float]]:
-    """The old policy of every micro-batch (`updates`: the learner's version, for staleness), and the metrics."""
+def recompute_old(ctx: UpdateContext, micro: list[RolloutBatch], updates: int, cfg: LearnerConfig,
+                  recompute: bool = True) -> tuple[list[OldPolicy], dict[str, float]]:
+    """The old policy of every micro-batch (`updates`: the learner's version, for staleness), and the metrics.
+    `recompute=False` (`RolloutLogpTrust.recompute_due` said no): micro-batches that `trusts_rollout` take the
+    rollout's log-probs; `policy/old_logp_recomputed` is the share of micro-batches recomputed."""
     steps, sequence, objective = ctx.train_steps, ctx.sequence_level, ctx.objective
     if objective.mode == "forward_process":  # DiffusionNFT reads no log-probs: only the KL monitor
         kls = torch.cat([kl_monitor(ctx, mb, None) for mb in micro])
         return [OldPolicy(torch.zeros_like(mb.old_logp)) for mb in micro], {"policy/kl_ref_monitor": float(kls.mean())}
     alarm, weights = RecomputeAlarm(cfg.logp_alarm), BehaviourWeights(cfg.behaviour_weight_cap)
-    olds, kls, engine_samples = [], [], False
+    olds, kls, engine_samples, recomputed = [], [], False, 0
     for mb in micro:
+        lagged = staleness(mb, updates) > 0
+        engine = mb.extras.get(BEHAVIOUR_ENGINE)
+        engine = torch.zeros_like(lagged) if engine is None else engine.cpu().bool()
+        if not recompute and trusts_rollout(ctx, mb, lagged, engine):
+            old = rollout_old_policy(mb, steps)
+            if sequence:  # the reference's estimate is still needed (KL monitor and penalty)
+                old.ref_logp = reference_sequence_logp(ctx.sampler, ctx.reference, mb, steps)
+            olds.append(old)
+            kls.append(kl_monitor(ctx, mb, old))
+            continue
+        recomputed += 1
         keep_tokens = objective.token_level or BEHAVIOUR_TOKEN_LOGP in mb.extras
         old = old_policy(ctx.sampler, ctx.policy, mb, steps, objective.needs_old_mean, keep_tokens)
         if sequence:
             old.ref_logp = reference_sequence_logp(ctx.sampler, ctx.reference, mb, steps)
         if isinstance(objective, RewardBackpropObjective):
             old.noise = recorded_noise(ctx.sampler, ctx.policy, mb, objective.cfg.backprop_steps)
-        lagged = staleness(mb, updates) > 0
         alarm.observe(old, mb, ~lagged, steps)
-        engine = mb.extras.get(BEHAVIOUR_ENGINE)
-        engine = torch.zeros_like(lagged) if engine is None else engine.cpu().bool()
         engine_samples |= bool(engine.any())
         old.behaviour_weight = weights.weigh(old, mb, lagged | engine, steps, sequence)
         olds.append(old)
         kls.append(kl_monitor(ctx, mb, old))
-    metrics = {**alarm.metrics(), "policy/kl_ref_monitor": float(torch.cat(kls).mean())}
+    metrics = {**alarm.metrics(), "policy/kl_ref_monitor": float(torch.cat(kls).mean()),
+               "policy/old_logp_recomputed": recomputed / len(micro)}
     if cfg.max_staleness > 0 or engine_samples:
         metrics.update(weights.metrics())
     return olds, metrics
