@@ -123,7 +123,7 @@ def serve_reward(
         _fail(str(err))
     testbed = build_testbed(cfg)
     testbed.prepare_rewards()
-    init_ray(cfg.ray.address, cfg.ray.num_cpus, cfg.ray.local_network)
+    init_ray(cfg.ray.address, cfg.ray.num_cpus, cfg.ray.local_network, cfg.ray.worker_niceness)
     _, bound = start_serve(s)
     deploy_reward_app(testbed, s)
     base = f"http://{s.host}:{bound}{ROUTE_PREFIX}"

@@ -131,6 +131,11 @@ class RayConfig(StrictModel):
         "loopback", description="interfaces a new local Ray listens on (GCS, raylet, object manager, agents, "
         "Prometheus metrics): loopback keeps them to this machine; all (Ray's own default) lets other machines "
         "join it and scrape its metrics, which need no login. A cluster joined through ray.address keeps its own")
+    worker_niceness: int = Field(
+        0, ge=0, le=19, description="niceness a new local Ray gives its workers (rollout and learner actors, Serve "
+        "replicas) on top of its own: Ray's default 15 lets any other CPU job on the machine starve them while the "
+        "driver, which only waits on them, keeps its share (benchmarks/worker_niceness.py); 0 runs them at the "
+        "driver's priority. A cluster joined through ray.address keeps its own setting (Ray's worker_niceness)")
     rollout_workers: int = Field(1, ge=1, description="each samples its share of the prompts (classes)")
     actor_cpus: float = Field(0.5, gt=0)
     rollout_gpus: float = Field(0, ge=0, description="GPUs each rollout worker asks Ray for; > 0 places its "

@@ -37,7 +37,7 @@ class RayRuntime:
         cfg = self.cfg
         cfg.serve.token_sha256()  # read the REST token (if any) and drop its variable before Ray's processes start
         with self.console.status("starting Ray, the Serve reward ensemble and the DeepSpeed learner"):
-            self._ray_mode = init_ray(cfg.ray.address, cfg.ray.num_cpus, cfg.ray.local_network)
+            self._ray_mode = init_ray(cfg.ray.address, cfg.ray.num_cpus, cfg.ray.local_network, cfg.ray.worker_niceness)
             self._started_serve, port = start_serve(cfg.serve, self.run_dir / "logs" / "serve")
             # the base weights travel through the object store: no node but the driver's needs the cache
             base_weights = ray.put(load_file(str(base_model)))

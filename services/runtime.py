@@ -40,10 +40,13 @@ def job_env_vars() -> dict[str, str]:
     return dict((json.loads(raw).get("runtime_env") or {}).get("env_vars") or {})
 
 
-def init_ray(address: str | None = None, num_cpus: int | None = None, local_network: str = "loopback") -> str:
+def init_ray(address: str | None = None, num_cpus: int | None = None, local_network: str = "loopback",
+             worker_niceness: int = 0) -> str:
     """Join a running Ray (address / $RAY_ADDRESS) or start a local one, listening on loopback only unless
-    `local_network` is "all" (`ray.local_network`). SIGTERM then stops this process like Ctrl-C
-    (`signals.stop_on_sigterm`, replacing the handler `ray.init` installs).
+    `local_network` is "all" (`ray.local_network`), whose workers run at this process's niceness +
+    `worker_niceness` (`ray.worker_niceness`; Ray's own default is 15; a joined cluster keeps its own).
+    SIGTERM then stops this process like Ctrl-C (`signals.stop_on_sigterm`, replacing the handler `ray.init`
+    installs).
 
     Returns 'existing' (this process was already connected), 'joined' (connected to a running
     cluster, e.g. inside `ray job submit`) or 'local' (started a new local Ray).
@@ -64,6 +67,7 @@ def init_ray(address: str | None = None, num_cpus: int | None = None, local_netw
             logging_level=logging.WARNING,
             runtime_env={"env_vars": {k: v for k, v in worker_env().items() if k not in job_env_vars()}},
             configure_logging=True,
+            _system_config=None if joining else {"worker_niceness": worker_niceness},
         )
     stop_on_sigterm()
     return "joined" if joining else "local"
