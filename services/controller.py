@@ -27,6 +27,7 @@ from steadyrl.services.checkpoints import (CHECKPOINTS, CONTROLLER_STATE, RunFai
                                            checkpoint_before, drop_checkpoints_after, latest_checkpoint,
                                            latest_state, new_checkpoint, resume_hint)
 from steadyrl.services.config import TrainConfig, dump_config, load_config
+from steadyrl.services.driver_bytes import DRIVER_FETCHES
 from steadyrl.services.remote import ComponentFailed
 from steadyrl.services.report import MetricsWriter, read_metrics, save_curves
 from steadyrl.services.resume import check_resume, record_resume
@@ -113,6 +114,7 @@ class Controller:
                 step = start
                 while step < cfg.run.steps:
                     watch = Stopwatch()
+                    DRIVER_FETCHES.take()  # what the driver fetched since (evaluations, checkpoints) is not the step's
                     with watch.phase("step"):
                         self.pool.begin_step()
                         # pipelining (learner.max_staleness = s): rollouts of steps up to step + s start now with
@@ -182,9 +184,11 @@ class Controller:
 
     def step_metrics(self, metrics: dict[str, float], summaries: list[dict[str, float]],
                      seconds: dict[str, float]) -> dict[str, float]:
-        """The learner's metrics, the rollouts' merged summaries, fault counts and the phases' timings."""
+        """The learner's metrics, the rollouts' merged summaries, fault counts, the phases' timings and what the
+        driver fetched during the step (`handoff/*`, `services.driver_bytes`; evaluations are counted apart)."""
         metrics.update(merge_summaries(summaries))
         metrics.update(seconds)
+        metrics.update(DRIVER_FETCHES.take())
         metrics["faults/rollout_restarts"] = float(self.pool.restarts_this_step)
         metrics["rollout/samples"] = metrics.pop("n")
         metrics["perf/samples_per_s"] = metrics["rollout/samples"] / metrics["timing_s/step"]
@@ -213,7 +217,9 @@ class Controller:
         return bar()
 
     def evaluate(self, step: int) -> dict[str, Any]:
+        DRIVER_FETCHES.take()  # the evaluation's fetches are counted apart from the steps'
         result = self.pool.evaluate(self.cfg.run.eval_seed)
+        DRIVER_FETCHES.evaluated(step)
         result["step"] = step
         self.testbed.save_eval(result, self.run_dir / f"samples_step_{step:04d}",
                                f"step {step}: {self.testbed.headline_text(result['held_out'])}")

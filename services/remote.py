@@ -7,6 +7,7 @@ from typing import Any, Sequence
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError
 
+from steadyrl.services.driver_bytes import DRIVER_FETCHES
 from steadyrl.services.retry import first_line
 
 #: what an actor call fails with when its actor died, hung or could not be reached
@@ -30,7 +31,8 @@ def wait_all(calls: Sequence[tuple[str, ray.ObjectRef]], timeout_s: float, check
     is raised as soon as it is known (when one learner rank dies the others wait in a collective and would
     never return), as `ComponentFailed` naming its component; past `timeout_s` (ray.step_timeout_s) the
     components still pending are named. `check=False` only waits (a failure shows where the value is used):
-    for large values, such as weights, that the driver should not fetch."""
+    for large values, such as weights, that the driver should not fetch. A checked value is fetched into the
+    driver here, and counted (`driver_bytes.DRIVER_FETCHES`)."""
     pending = [ref for _, ref in calls]
     label = {ref: component for component, ref in calls}
     deadline = time.monotonic() + timeout_s
@@ -44,12 +46,13 @@ def wait_all(calls: Sequence[tuple[str, ray.ObjectRef]], timeout_s: float, check
         if not check:
             continue
         try:
-            ray.get(ready)
+            DRIVER_FETCHES.fetched(ray.get(ready))
         except ACTOR_FAILURES as err:
             raise ComponentFailed(label[ready[0]], "died", first_line(err)) from None
 
 
 def get_all(calls: Sequence[tuple[str, ray.ObjectRef]], timeout_s: float) -> list[Any]:
-    """The values of labelled calls [(component, ref)], in order (`wait_all` first)."""
+    """The values of labelled calls [(component, ref)], in order (`wait_all` first: it fetched and counted them,
+    this `ray.get` finds them in the driver already)."""
     wait_all(calls, timeout_s)
     return ray.get([ref for _, ref in calls])

@@ -24,6 +24,7 @@ from steadyrl.rollout.cache import write_text_atomically
 from steadyrl.services.actors import RolloutWorker, write_weights
 from steadyrl.services.checkpoints import rollout_weights_file
 from steadyrl.services.config import TrainConfig
+from steadyrl.services.driver_bytes import DRIVER_FETCHES
 from steadyrl.services.learner_group import LearnerGroup, reserve_bundles
 from steadyrl.services.remote import ACTOR_FAILURES, ComponentFailed, get_all
 from steadyrl.services.retry import first_line
@@ -134,10 +135,13 @@ class RolloutPool:
         self.launches[step] = Launch(step, weights, self._issue(self._generate_call(step, weights)))
 
     def collect(self, step: int) -> tuple[list[ray.ObjectRef], list[dict[str, float]]]:
-        """Wait for `step`'s rollouts: (each worker's batch ref, each worker's summary)."""
+        """Wait for `step`'s rollouts: (each worker's batch ref, each worker's summary). The batches' sizes are
+        counted, and any that Ray returned inline to the driver (`driver_bytes`)."""
         launch = self.launches.pop(step)
         outs = self._collect(launch.refs, self._generate_call(step, launch.weights))
-        return [refs[0] for refs, _ in outs], [summary for _, summary in outs]
+        batches = [refs[0] for refs, _ in outs]
+        DRIVER_FETCHES.batch_refs(batches)
+        return batches, [summary for _, summary in outs]
 
     @staticmethod
     def _generate_call(step: int, weights: PolicyWeights) -> Callable[[Any], Any]:
@@ -196,7 +200,7 @@ class RolloutPool:
             for attempt in range(retries + 1):
                 waited = issued[-1] if isinstance(issued, (tuple, list)) else issued
                 try:
-                    value = ray.get(waited, timeout=timeout)
+                    value = DRIVER_FETCHES.fetched(ray.get(waited, timeout=timeout))
                     break
                 except ACTOR_FAILURES as err:
                     if attempt == retries:
@@ -218,7 +222,8 @@ class RolloutPool:
         deadline = time.monotonic() + timeout
         while True:  # calls fail with ActorUnavailableError while Ray restarts the actor
             try:
-                info = ray.get(self.workers[i].ready.remote(), timeout=max(1.0, deadline - time.monotonic()))
+                info = DRIVER_FETCHES.fetched(ray.get(self.workers[i].ready.remote(),
+                                                      timeout=max(1.0, deadline - time.monotonic())))
                 break
             except ActorUnavailableError:
                 if time.monotonic() > deadline:

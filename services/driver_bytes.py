@@ -1,0 +1,94 @@
+"""What passes through the driver: bytes of the values the controller's process fetches from Ray, per step.
+
+Batches are meant to stay in the object store (rollout worker -> learner ranks as ObjectRefs) and the driver to
+fetch small summaries, metrics and evaluation grids only. `DRIVER_FETCHES` counts, at every place the driver
+fetches a value (`remote.wait_all`/`get_all`, the rollout pool's waits), that value's bytes:
+
+    bytes(x) = sum of tensors' and numpy arrays' nbytes + len(pickle.dumps(y)) of every other leaf y
+
+(recursing into dicts, lists, tuples and dataclasses; tensors are never pickled), plus the step's batches that
+Ray returned inline to the driver (objects under its `max_direct_call_object_size`, 100 KB by default, travel
+in the task's reply to their owner, the driver, which then ships them to the learner as arguments).
+The controller logs them per step as `handoff/*` (`DriverBytes.take`); evaluations run between steps and are
+kept apart (`DriverBytes.evaluations`, in the driver process: read by benchmarks/handoff.py). The local runtime
+fetches nothing: a sample never leaves its one process, and every `handoff/*` figure is 0 there.
+"""
+from __future__ import annotations
+
+import dataclasses
+import pickle
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import numpy as np
+import ray
+import torch
+
+
+def value_bytes(value: Any) -> tuple[int, int]:
+    """(bytes, tensor bytes) of a fetched value: tensors and numpy arrays by nbytes (the tensor part), dicts,
+    lists, tuples, sets and dataclass instances recursed into, any other leaf as `len(pickle.dumps(leaf))`."""
+    if isinstance(value, torch.Tensor):
+        n = value.numel() * value.element_size()
+        return n, n
+    if isinstance(value, np.ndarray):
+        return value.nbytes, value.nbytes
+    if isinstance(value, dict):
+        parts = [value_bytes(k) for k in value] + [value_bytes(v) for v in value.values()]
+    elif isinstance(value, (list, tuple, set, frozenset)):
+        parts = [value_bytes(v) for v in value]
+    elif dataclasses.is_dataclass(value) and not isinstance(value, type):
+        parts = [value_bytes(getattr(value, f.name)) for f in dataclasses.fields(value)]
+    else:
+        return len(pickle.dumps(value)), 0
+    return sum(p[0] for p in parts), sum(p[1] for p in parts)
+
+
+@dataclass
+class DriverBytes:
+    """Running totals since the last `take`: everything fetched, its tensor part, batches inlined into the driver,
+    and the step's batch bytes (object store and inlined: what the learner receives, for scale). Evaluations
+    are counted apart, one {step, bytes, tensor_bytes} each in `evaluations` (`evaluated`)."""
+
+    total: int = 0
+    tensor: int = 0
+    inlined: int = 0
+    batches: int = 0
+    evaluations: list[dict[str, int]] = field(default_factory=list)
+
+    def fetched(self, value: Any) -> Any:
+        """Count a value the driver fetched; returns it."""
+        total, tensor = value_bytes(value)
+        self.total += total
+        self.tensor += tensor
+        return value
+
+    def batch_refs(self, refs: Sequence[Any]) -> None:
+        """Count a step's batch refs (their tasks done): each one's serialized size, and those Ray holds in the
+        driver's own memory store (inlined: no object-store node holds them, nor spilled them) as bytes that reached
+        the driver."""
+        for info in ray.experimental.get_object_locations(list(refs)).values():
+            size = int(info.get("object_size") or 0)
+            self.batches += size
+            if not info.get("node_ids") and not info.get("did_spill"):
+                self.inlined += size
+
+    def take(self) -> dict[str, float]:
+        """The `handoff/*` metrics since the last take, and start again at 0. Inlined batches are sample tensors:
+        they count in `driver_bytes` and `driver_tensor_bytes` both."""
+        out = {"handoff/driver_bytes": float(self.total + self.inlined),
+               "handoff/driver_tensor_bytes": float(self.tensor + self.inlined),
+               "handoff/driver_inlined_bytes": float(self.inlined), "handoff/batch_bytes": float(self.batches)}
+        self.total = self.tensor = self.inlined = self.batches = 0
+        return out
+
+    def evaluated(self, step: int) -> None:
+        """Record what was fetched since the last take as the evaluation at `step` (the grid of samples and its
+        summary), apart from the steps' figures, and start again at 0."""
+        taken = self.take()
+        self.evaluations.append({"step": step, "bytes": int(taken["handoff/driver_bytes"]),
+                                 "tensor_bytes": int(taken["handoff/driver_tensor_bytes"])})
+
+
+#: the driver process's counter: the fetch helpers add to it, the controller takes it once per step
+DRIVER_FETCHES = DriverBytes()
