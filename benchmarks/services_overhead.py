@@ -1,0 +1,143 @@
+"""Services over one process: the default job on the Ray runtime against the local runtime, side by side.
+
+    python benchmarks/services_overhead.py [--repeats 3] [--steps 8] [--out benchmarks/results/services_overhead.json]
+
+Runs alternate (ray, local, ray, local, ...), `--repeats` pairs of `--steps` steps of configs/digits-grpo.yaml,
+each `python -m steadyrl.services.job` (the CLI) in its own process with the product's default threads
+(`ray.torch_threads` None: every core in each actor, and in the local process, since the default loop does not
+pipeline). The first step of each run is warm-up and dropped. Per run: the median step and its breakdown
+
+    other = step - rollout - reward - update - sync
+
+(rollout, reward: the rollout worker's `timing_s/rollout`, `timing_s/reward`; update: the learner's
+`timing_s/update`; sync: the controller's `timing_s/sync`). `other` is what the services add: on Ray, Ray's
+scheduling, object-store serialisation and the HTTP calls to Serve; on local it should be ~0. Start-up is process
+start to the first step's start (imports, Ray and Serve or none, the reward models, the step-0 evaluation, which
+both runtimes run alike). Figure: each pair's ratio ray/local of the median step, their median and min..max.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIG = "configs/digits-grpo.yaml"
+PHASES = ("rollout", "reward", "update", "sync")
+TARGET = 1.10
+
+
+def run_job(runtime: str, steps: int, overrides: list[str] = (), config: str = CONFIG) -> dict[str, Any]:
+    """One run of the CLI in a child process; its per-step timings from metrics.jsonl and its start-up
+    (process start to the first step's start: the first row's arrival less that step's `timing_s/step`)."""
+    from steadyrl.services.report import read_metrics
+
+    with tempfile.TemporaryDirectory(prefix="steadyrl-overhead-") as tmp:
+        run_dir = Path(tmp) / "run"
+        cmd = [sys.executable, "-m", "steadyrl.services.job", config, f"run.runtime={runtime}",
+               f"run.steps={steps}", f"run.run_dir={run_dir}", "run.progress=false", f"run.eval_every={steps}",
+               f"run.checkpoint_every={steps}", "serve.port=0", *overrides]
+        log = open(Path(tmp) / "job.log", "w")
+        t0 = time.perf_counter()
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+        first_row_at = None
+        while proc.poll() is None:
+            if first_row_at is None and (run_dir / "metrics.jsonl").exists():
+                first_row_at = time.perf_counter() - t0
+            time.sleep(0.05)
+        wall = time.perf_counter() - t0
+        log.close()
+        if proc.returncode != 0:
+            raise RuntimeError(f"{' '.join(cmd)} exited {proc.returncode}:\n"
+                               + (Path(tmp) / "job.log").read_text()[-3000:])
+        rows = read_metrics(run_dir)
+    if len(rows) < 2:
+        raise ValueError(f"--steps {steps}: need at least 2 steps (the first is warm-up)")
+    measured = rows[1:]
+    step = [r["timing_s/step"] for r in measured]
+    phase = {p: [r[f"timing_s/{p}"] for r in measured] for p in PHASES}
+    other = [s - sum(phase[p][i] for p in PHASES) for i, s in enumerate(step)]
+    return {
+        "runtime": runtime,
+        "overrides": list(overrides),
+        "step_s": step,
+        "step_s_median": statistics.median(step),
+        "phase_s_median": {**{p: statistics.median(v) for p, v in phase.items()}, "other": statistics.median(other)},
+        "startup_s": None if first_row_at is None else first_row_at - rows[0]["timing_s/step"],
+        "wall_s": wall,
+        "wall_minus_steps_s": wall - sum(r["timing_s/step"] for r in rows),
+    }
+
+
+def spread(values: list[float]) -> dict[str, float]:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+
+def plot(runs: list[dict[str, Any]], path: Path, title: str) -> None:
+    """Stacked bars of the median breakdown per runtime (median over its runs of each run's median)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = list(dict.fromkeys(r["runtime"] for r in runs))
+    fig, ax = plt.subplots(figsize=(5, 4))
+    for i, label in enumerate(labels):
+        mine = [r for r in runs if r["runtime"] == label]
+        bottom = 0.0
+        for j, p in enumerate((*PHASES, "other")):
+            v = max(0.0, statistics.median(r["phase_s_median"][p] for r in mine))
+            ax.bar(i, v, bottom=bottom, color=f"C{j}", label=p if i == 0 else None)
+            bottom += v
+    ax.set_xticks(range(len(labels)), labels)
+    ax.set_ylabel("seconds per step (median)")
+    ax.set_title(title, fontsize=9)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--repeats", type=int, default=3, help="(ray, local) pairs")
+    ap.add_argument("--steps", type=int, default=8, help="steps per run; the first is warm-up")
+    ap.add_argument("--out", default="benchmarks/results/services_overhead.json")
+    args = ap.parse_args()
+    runs: list[dict[str, Any]] = []
+    ratios: list[float] = []
+    for pair in range(args.repeats):
+        ray_run, local_run = run_job("ray", args.steps), run_job("local", args.steps)
+        for r in (ray_run, local_run):
+            r["pair"] = pair
+            runs.append(r)
+        ratios.append(ray_run["step_s_median"] / local_run["step_s_median"])
+        print(f"pair {pair}: ray {ray_run['step_s_median']:.2f}s local {local_run['step_s_median']:.2f}s "
+              f"ratio {ratios[-1]:.3f}", flush=True)
+    by = {rt: [r for r in runs if r["runtime"] == rt] for rt in ("ray", "local")}
+    result = {
+        "config": CONFIG, "steps": args.steps, "repeats": args.repeats, "cores": os.cpu_count(),
+        "torch_threads": "product default (ray.torch_threads None: every core per actor / in the local process)",
+        "ratio_ray_over_local": ratios, "ratio": spread(ratios), "target": TARGET,
+        "meets_target": statistics.median(ratios) <= TARGET,
+        "startup_s": {rt: spread([r["startup_s"] for r in rs if r["startup_s"] is not None]) for rt, rs in by.items()},
+        "other_s": {rt: spread([r["phase_s_median"]["other"] for r in rs]) for rt, rs in by.items()},
+        "runs": runs,
+    }
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2))
+    plot(runs, out.with_suffix(".png"), f"digits-grpo, {args.steps - 1} steps x {args.repeats} pairs: ray/local "
+         f"{result['ratio']['median']:.2f}x ({result['ratio']['min']:.2f}..{result['ratio']['max']:.2f})")
+    print(json.dumps({k: v for k, v in result.items() if k != "runs"}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
