@@ -227,22 +227,18 @@ def recompute_old(ctx: UpdateContext, micro: list[RolloutBatch], updates: int, c
         engine = mb.extras.get(BEHAVIOUR_ENGINE)
         engine = torch.zeros_like(lagged) if engine is None else engine.cpu().bool()
         if not recompute and trusts_rollout(ctx, mb, lagged, engine):
-            old = rollout_old_policy(mb, steps)
-            if sequence:  # the reference's estimate is still needed (KL monitor and penalty)
-                old.ref_logp = reference_sequence_logp(ctx.sampler, ctx.reference, mb, steps)
-            olds.append(old)
-            kls.append(kl_monitor(ctx, mb, old))
-            continue
-        recomputed += 1
-        keep_tokens = objective.token_level or BEHAVIOUR_TOKEN_LOGP in mb.extras
-        old = old_policy(ctx.sampler, ctx.policy, mb, steps, objective.needs_old_mean, keep_tokens)
-        if sequence:
+            old = rollout_old_policy(mb, steps)  # all current samples: no behaviour weight, nothing to compare
+        else:
+            recomputed += 1
+            keep_tokens = objective.token_level or BEHAVIOUR_TOKEN_LOGP in mb.extras
+            old = old_policy(ctx.sampler, ctx.policy, mb, steps, objective.needs_old_mean, keep_tokens)
+            if isinstance(objective, RewardBackpropObjective):
+                old.noise = recorded_noise(ctx.sampler, ctx.policy, mb, objective.cfg.backprop_steps)
+            alarm.observe(old, mb, ~lagged, steps)
+            engine_samples |= bool(engine.any())
+            old.behaviour_weight = weights.weigh(old, mb, lagged | engine, steps, sequence)
+        if sequence:  # the reference's estimate either way (KL monitor and penalty)
             old.ref_logp = reference_sequence_logp(ctx.sampler, ctx.reference, mb, steps)
-        if isinstance(objective, RewardBackpropObjective):
-            old.noise = recorded_noise(ctx.sampler, ctx.policy, mb, objective.cfg.backprop_steps)
-        alarm.observe(old, mb, ~lagged, steps)
-        engine_samples |= bool(engine.any())
-        old.behaviour_weight = weights.weigh(old, mb, lagged | engine, steps, sequence)
         olds.append(old)
         kls.append(kl_monitor(ctx, mb, old))
     metrics = {**alarm.metrics(), "policy/kl_ref_monitor": float(torch.cat(kls).mean()),
