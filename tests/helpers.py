@@ -184,3 +184,15 @@ def after_first_eos(completion: torch.Tensor, eos: int = TOKENIZER.eos_id) -> to
         if eos in row:
             out[r, row.index(eos) + 1:] = True
     return out
+
+
+def update_error(after: dict[str, torch.Tensor], reference: dict[str, torch.Tensor],
+                 start: dict[str, torch.Tensor]) -> float:
+    """||(after - start) - (reference - start)||_2 / ||reference - start||_2 over all tensors: how far one update is
+    from another, judged against the update's own size. Summing a gradient in another order (pieces split, ranks
+    all-reduced) moves float32 results by ~1e-7 of the gradient, which Adam's m / sqrt(v) turns into up to a whole
+    step on the entries whose gradient is itself float noise: a few entries, a small L2 share; a wrong weighting
+    moves every entry."""
+    num = sum(float(((after[k] - reference[k]).double() ** 2).sum()) for k in reference)
+    den = sum(float(((reference[k] - start[k]).double() ** 2).sum()) for k in reference)
+    return (num / den) ** 0.5

@@ -8,6 +8,7 @@ import torch
 from steadyrl.rollout.models import build_class_policy
 from steadyrl.rollout.samplers import build_sampler
 from steadyrl.services.config import load_config
+from tests.helpers import update_error
 
 TINY = ["testbed.model.block_out_channels=[8,16]", "testbed.model.norm_num_groups=4", "sampler.num_steps=4",
         "objective.timestep_fraction=1.0", "learner.micro_batch_size=6", "learner.optim_batch_size=24",
@@ -62,8 +63,9 @@ def test_two_ranks_stay_identical_and_apply_the_one_rank_update(ray_cluster, bas
     assert two[0] == {**two[1], "timing_s/update": two[0]["timing_s/update"]}
     # the update moved the weights, by the 1-rank update to float summation order
     assert max_abs_diff(one_params, weights) > 1e-4
-    # (two Adam steps: m/sqrt(v) amplifies the gradients' float-order differences to ~1e-6 of ~1e-3 moves)
-    assert max_abs_diff(two_params[0], one_params) < 1e-5
+    # (two Adam steps: m/sqrt(v) turns float-order differences into up to a step on a few noise-level entries,
+    # 4e-6 against 1e-3 moves on one install, 2e-5 on another: judged on the whole update's L2, see update_error)
+    assert update_error(two_params[0], one_params, weights) < 1e-3  # measured 2.4e-5
     for key in ("policy/pg_loss", "policy/adv_abs_mean", "policy/kl_ref_monitor", "policy/optimizer_steps"):
         assert two[0][key] == pytest.approx(one[key], rel=1e-5, abs=1e-7), key
     assert two[0]["policy/optimizer_steps"] == 2  # one 24-sample optimisation step per epoch on both
@@ -91,4 +93,4 @@ def test_two_ranks_that_split_their_pieces_apply_the_unsplit_one_rank_update(ray
     assert two[0]["memory/splits"] > 0 and two[0]["memory/piece_size_min"] < 6 and one["memory/splits"] == 0
     assert all(torch.equal(two_params[0][k], two_params[1][k]) for k in two_params[0])
     assert max_abs_diff(one_params, weights) > 1e-4
-    assert max_abs_diff(two_params[0], one_params) < 1e-5  # as the unsplit 2-rank test: Adam on float-order noise
+    assert update_error(two_params[0], one_params, weights) < 1e-3  # as the unsplit 2-rank test; measured 7e-5

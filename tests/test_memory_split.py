@@ -34,7 +34,7 @@ from steadyrl.rollout.config import SchedulerConfig
 from steadyrl.rollout.models import build_class_policy
 from steadyrl.rollout.samplers import build_sampler
 from tests.helpers import (IMAGE_FAMILIES, TINY_UNET, after_first_eos, arith_prompts, brightness_batch, masked_sampler,
-                           tiny_lm)
+                           tiny_lm, update_error)
 
 UNREACHED = 1e6  # MB: measures, never splits
 
@@ -88,6 +88,18 @@ def run_update(build, batch, cap: float | None) -> tuple[dict[str, Tensor], dict
     return learner.weights(), metrics, learner._pre_clip_norm
 
 
+def assert_same_sgd_update(after: dict[str, Tensor], reference: dict[str, Tensor], start: dict[str, Tensor]) -> None:
+    """The SGD update equals the reference's to 1e-3 in L2 and, entry by entry, to 1e-3 of its largest move. Adding
+    a gradient's pieces in another order moves float32 sums by ~1e-5 of the update (more on entries whose gradient is
+    itself float noise, an attention key's bias); a piece weighted wrongly moves it by its share of the batch.
+    Judged on the update, not the weights: a weight near 0 fails any rtol on noise."""
+    error = update_error(after, reference, start)
+    assert error < 1e-3  # measured 2e-7 .. 1.4e-5
+    largest = max(float((reference[k] - start[k]).abs().max()) for k in reference)
+    for k in reference:
+        torch.testing.assert_close(after[k] - start[k], reference[k] - start[k], rtol=0, atol=1e-3 * largest, msg=k)
+
+
 def assert_split_equals_unsplit(build, batch, fraction: float = 0.6) -> tuple[dict[str, float], dict[str, float]]:
     """The three updates of the module docstring; returns the split and the unsplit update's metrics."""
     plain, plain_m, plain_norm = run_update(build, batch, None)
@@ -101,9 +113,8 @@ def assert_split_equals_unsplit(build, batch, fraction: float = 0.6) -> tuple[di
     split, split_m, split_norm = run_update(build, batch, fraction * peak)
     assert split_m["memory/splits"] > 0 and split_m["memory/piece_size_min"] < build.micro_batch_size
     assert split_m["memory/activation_mb_max"] <= fraction * peak
-    assert split_norm == pytest.approx(plain_norm, rel=1e-5)
-    for k in plain:
-        torch.testing.assert_close(split[k], plain[k], rtol=1e-5, atol=1e-7, msg=k)
+    assert split_norm == pytest.approx(plain_norm, rel=1e-4)
+    assert_same_sgd_update(split, plain, build.start)
     moved = sum(float((plain[k] - start).abs().max()) for k, start in build.start.items())
     assert moved > 0  # the update did something the split had to reproduce
     return split_m, plain_m
@@ -259,10 +270,8 @@ def test_a_real_out_of_memory_error_in_the_forward_splits_the_piece():
     assert metrics["memory/piece_size_min"] == 2 and metrics["memory/splits"] == 2  # 8 -> 4 -> 2, then remembered
     pieces = 3 * steps_per_sample(learner.context())  # 3 micro-batches x the steps each sample trains, all split
     assert metrics["memory/pieces_split"] == pieces
-    assert learner._pre_clip_norm == pytest.approx(plain_norm, rel=1e-5)
-    split = learner.weights()
-    for k in plain:
-        torch.testing.assert_close(split[k], plain[k], rtol=1e-5, atol=1e-7, msg=k)
+    assert learner._pre_clip_norm == pytest.approx(plain_norm, rel=1e-4)
+    assert_same_sgd_update(learner.weights(), plain, build.start)
 
 
 def test_an_out_of_memory_error_in_the_backward_is_not_split_and_names_the_cap():
