@@ -40,6 +40,11 @@ class ServeConfig(StrictModel):
     batching: bool = Field(True, description="group concurrent calls to one reward model into one forward pass "
                            "(`@serve.batch`): fewer, larger passes under load; off: each call is scored on its own "
                            "(benchmarks/reward_load.py compares the two)")
+    colocate_models: bool = Field(False, description="host every reward model in the ensemble's own replica, "
+                                  "called in-process, instead of one replica per model: one process instead of one "
+                                  "plus one per model (the digits job: 5). On a small machine each resident process "
+                                  "takes memory and CPU from the run (benchmarks/colocated_rewards.py); the models "
+                                  "then share that replica's CPUs (or GPU share) and are not batched across callers")
     max_batch_size: int = Field(256, ge=1, description="most calls `@serve.batch` groups into one forward pass")
     batch_wait_timeout_s: float = Field(0.005, ge=0, description="how long a batch waits for more calls: "
                                         "latency traded for larger batches")

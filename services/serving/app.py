@@ -20,17 +20,17 @@ if TYPE_CHECKING:
 APP_NAME = "reward"
 ROUTE_PREFIX = "/reward"
 # ServeConfig fields that shape the app (host/port are the proxy's; timeouts and retries are the callers')
-APP_SETTINGS = ("replica_cpus", "replica_gpus", "batching", "max_batch_size", "batch_wait_timeout_s",
-                "max_ongoing_requests", "max_request_samples", "max_body_bytes", "body_timeout_s",
-                "body_idle_timeout_s", "max_unfinished_bodies")
+APP_SETTINGS = ("replica_cpus", "replica_gpus", "colocate_models", "batching", "max_batch_size",
+                "batch_wait_timeout_s", "max_ongoing_requests", "max_request_samples", "max_body_bytes",
+                "body_timeout_s", "body_idle_timeout_s", "max_unfinished_bodies")
 
 
 def build_reward_app(testbed: "Testbed", serve_cfg: ServeConfig | None = None) -> serve.Application:
     """Bind one deployment per model of the testbed's reward ensemble (`Testbed.reward_spec`) and the ensemble
     ingress with the testbed's REST profile (`Testbed.rest`). Deployments are named `reward_<name>` (members)
-    and `monitor_<name>` (watch only). The bearer token (if `serve_cfg` asks for one) is read once
-    (`ServeConfig.token_sha256`, here unless the caller read it before Ray started); only its SHA-256 goes to
-    the replicas."""
+    and `monitor_<name>` (watch only); with `serve.colocate_models` there are none: the ingress hosts the models.
+    The bearer token (if `serve_cfg` asks for one) is read once (`ServeConfig.token_sha256`, here unless the
+    caller read it before Ray started); only its SHA-256 goes to the replicas."""
     serve_cfg = serve_cfg or ServeConfig()
     spec, profile, rest = testbed.reward_spec(), testbed.rest, RestSettings.from_config(serve_cfg)
     return _bind(spec, profile, serve_cfg, rest, _digest(spec, profile, serve_cfg, rest))
@@ -44,18 +44,25 @@ def _bind(spec: EnsembleSpec, profile: RestProfile, serve_cfg: ServeConfig, rest
     batching = {"max_batch_size": serve_cfg.max_batch_size, "batch_wait_timeout_s": serve_cfg.batch_wait_timeout_s,
                 "batching": serve_cfg.batching}
 
-    def model(name: str, model_spec: Any) -> serve.Application:
-        model_opts = opts
-        if getattr(model_spec, "device", "cpu").startswith("cuda"):  # a model on cuda reserves its GPU share
-            model_opts = {**opts, "ray_actor_options": {**opts["ray_actor_options"],
-                                                        "num_gpus": serve_cfg.replica_gpus}}
-        return RewardModelDeployment.options(name=name, **model_opts).bind(model_spec.model_dump(), **batching)
+    def with_gpu(model_opts: dict[str, Any], *model_specs: Any) -> dict[str, Any]:
+        """A replica hosting a model on cuda reserves its GPU share."""
+        if not any(getattr(m, "device", "cpu").startswith("cuda") for m in model_specs):
+            return model_opts
+        return {**model_opts, "ray_actor_options": {**model_opts["ray_actor_options"],
+                                                    "num_gpus": serve_cfg.replica_gpus}}
+
+    def model(name: str, model_spec: Any) -> serve.Application | dict[str, Any]:
+        if serve_cfg.colocate_models:  # built by the ingress, in its process
+            return model_spec.model_dump()
+        return RewardModelDeployment.options(name=name, **with_gpu(opts, model_spec)).bind(model_spec.model_dump(),
+                                                                                          **batching)
 
     members = {m.name: model(f"reward_{m.name}", m) for m in spec.members}
     monitors = {m.name: model(f"monitor_{m.name}", m) for m in spec.monitors}
     settings = IngressSettings(profile=profile, train_on=spec.train_on, feature_model=spec.feature_model,
                                correct=tuple(spec.correct), rest=rest, digest=digest, weighting=spec.weighting)
-    ingress = RewardEnsembleIngress.options(name="ensemble", **opts)
+    ingress_opts = with_gpu(opts, *spec.members, *spec.monitors) if serve_cfg.colocate_models else opts
+    ingress = RewardEnsembleIngress.options(name="ensemble", **ingress_opts)
     return ingress.bind(members=members, monitors=monitors, settings=settings)
 
 

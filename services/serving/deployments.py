@@ -1,11 +1,14 @@
 """The reward ensemble's Serve deployments: one `RewardModelDeployment` per reward model (`@serve.batch` groups
 concurrent calls into one forward pass unless `serve.batching` is off), composed by `RewardEnsembleIngress`,
 which returns per-model scores, mean, spread, the training reward and a rank-disagreement uncertainty per
-sample (`reward.ensemble.combine_scores`). Training calls the ingress through a DeploymentHandle
+sample (`reward.ensemble.combine_scores`); with `serve.colocate_models` the ingress hosts the models itself
+(`InProcessModel`). Training calls the ingress through a DeploymentHandle
 (`score_tensors`); anything else over REST (`rest.build_rest_api`, built on each replica)."""
 
 import asyncio
+import inspect
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import Any, Sequence
 
 import torch
@@ -106,6 +109,30 @@ class RewardModelDeployment:
             raise RuntimeError(f"reward model {self.name} returns non-finite scores")
 
 
+class InProcessModel:
+    """A reward model hosted in the ingress's own process (`serve.colocate_models`), called as a DeploymentHandle
+    is: `model.score.remote(...)` returns an awaitable of the result (errors are raised when it is awaited)."""
+
+    def __init__(self, spec: dict[str, Any]):
+        self.model = RewardModelDeployment.func_or_class(spec, batching=False)  # one caller: nothing to batch
+
+    def __getattr__(self, method: str) -> Any:
+        call = getattr(self.model, method)
+
+        def remote(*args: Any, **kwargs: Any) -> Any:
+            async def result() -> Any:
+                out = call(*args, **kwargs)
+                return await out if inspect.isawaitable(out) else out
+            return result()
+
+        return SimpleNamespace(remote=remote)
+
+
+def _handle(model: DeploymentHandle | dict[str, Any]) -> DeploymentHandle | InProcessModel:
+    """A member's handle as bound: a deployment's handle, or a model spec the ingress hosts itself."""
+    return InProcessModel(model) if isinstance(model, dict) else model
+
+
 @dataclass(frozen=True)
 class IngressSettings:
     """What `RewardEnsembleIngress` is built with besides its model handles.
@@ -131,20 +158,27 @@ class RewardEnsembleIngress:
     """Composes member deployments; monitors (digits' gold classifier, arith's exact-match verifier, the
     text-to-image `monitor_only` models) are scored too but never become the reward."""
 
-    def __init__(self, members: dict[str, DeploymentHandle], monitors: dict[str, DeploymentHandle],
-                 settings: IngressSettings):
-        """`members` and `monitors`: each model's handle by its name, in column order."""
+    def __init__(self, members: dict[str, DeploymentHandle | dict[str, Any]],
+                 monitors: dict[str, DeploymentHandle | dict[str, Any]], settings: IngressSettings):
+        """`members` and `monitors`: each model's handle by its name, in column order; a model spec (a dict)
+        instead of a handle is built here and called in this process (`serve.colocate_models`)."""
         if settings.feature_model is not None and settings.feature_model not in members:
             raise ValueError(f"feature_model={settings.feature_model!r} must be one of the members {list(members)}")
         self.profile = settings.profile
         self.testbed = settings.profile.testbed
-        self.members, self.member_names = list(members.values()), list(members)
-        self.monitors, self.monitor_names = list(monitors.values()), list(monitors)
+        self.members, self.member_names = [_handle(m) for m in members.values()], list(members)
+        self.monitors, self.monitor_names = [_handle(m) for m in monitors.values()], list(monitors)
         self.correct = set(settings.correct)
         self.train_on, self.feature_model = settings.train_on, settings.feature_model
         self.weighting = settings.weighting
         self.rest = settings.rest
         self.digest = settings.digest
+
+    def check_health(self) -> None:
+        """Serve calls this periodically: models hosted here are checked as their own replicas would be."""
+        for m in self.members + self.monitors:
+            if isinstance(m, InProcessModel):
+                m.model.check_health()
 
     def app_digest(self) -> str:
         """The digest of the models and settings this app was built from: a run finding the same one reuses it."""
