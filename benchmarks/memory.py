@@ -39,7 +39,6 @@ import ctypes
 import gc
 import json
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -48,6 +47,9 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from figures import spread  # noqa: E402 - benchmarks/figures.py
 DEFAULT_OUT = ROOT / "benchmarks" / "results" / "memory.json"
 COMMON = ["ray.torch_threads=1", "run.progress=false", "run.eval_every=100000", "run.checkpoint_every=100000",
           "serve.port=0", "ray.rollout_gpus=0", "ray.learner_gpus=0", "learner.backend=gloo"]
@@ -155,10 +157,6 @@ def watch(cmd: list[str], run_dir: Path, interval: float) -> dict[str, Any]:
     return {"wall_s": time.perf_counter() - t0, "samples": tick, "job_rss_peak_mb": job_rss,
             "job_pss_peak_mb": job_pss, "roles": roles,
             "processes": [{"pid": pid, **p, "title": p["title"][:120]} for pid, p in procs.items()]}
-
-
-def spread(values: list[float]) -> dict[str, float]:
-    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
 
 
 def role_summary(runs: list[dict[str, Any]]) -> dict[str, Any]:

@@ -22,6 +22,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from figures import spread  # noqa: E402 - benchmarks/figures.py
 from scaling_model import model_section  # benchmarks/scaling_model.py: the step-time model and SD3.5 projection
 
 VARIANTS = {"1x2": {"workers": 1, "ranks": 1, "threads": 2}, "2x1": {"workers": 2, "ranks": 2, "threads": 1}}
@@ -49,10 +50,6 @@ def run_variant(config: str | None, variant: dict[str, int], steps: int, run_dir
     out["rollout_samples_per_s"] = out["samples_per_step"] / out["rollout_s"]
     out["collect_samples_per_s"] = out["samples_per_step"] / out["collect_s"]
     return out
-
-
-def spread(values: list[float]) -> dict[str, float]:
-    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
 
 
 def summarise(runs: list[dict[str, Any]]) -> dict[str, Any]:

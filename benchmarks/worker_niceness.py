@@ -16,7 +16,6 @@ recorded with its error and counted in `failed_runs`.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import subprocess
 import sys
@@ -26,7 +25,8 @@ from typing import Any, Iterator
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.services_overhead import run_job, spread  # noqa: E402
+from benchmarks.figures import spread, write_json  # noqa: E402
+from benchmarks.services_overhead import run_job  # noqa: E402
 
 CONDITIONS = (("quiet", 15), ("quiet", 0), ("load", 15), ("load", 0))
 RATIOS = {"load15_over_load0": (("load", 15), ("load", 0)), "load0_over_quiet0": (("load", 0), ("quiet", 0)),
@@ -90,10 +90,7 @@ def main() -> None:
         "ratios": {name: {"per_repeat": v, **(spread(v) if v else {})} for name, v in ratios.items()},
         "runs": runs,
     }
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2))
-    print(json.dumps({k: v for k, v in result.items() if k != "runs"}, indent=2))
+    write_json(result, args.out)
 
 
 if __name__ == "__main__":
