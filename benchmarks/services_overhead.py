@@ -34,6 +34,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from figures import spread, write_json  # noqa: E402
+from memory import children, proc_kb  # noqa: E402 - benchmarks/memory.py's /proc readers
 CONFIG = "configs/digits-grpo.yaml"
 PHASES = ("rollout", "reward", "update", "sync")
 TARGET = 1.10
@@ -97,21 +98,7 @@ def run_job(runtime: str, steps: int, overrides: list[str] = (), config: str = C
 def tree_pss_kb(root: int) -> int:
     """Summed proportional set size (/proc/PID/smaps_rollup: each shared page split between the processes that
     map it) of `root` and its descendants."""
-    import psutil
-
-    total = 0
-    try:
-        procs = [psutil.Process(root), *psutil.Process(root).children(recursive=True)]
-    except psutil.NoSuchProcess:
-        return 0
-    for p in procs:
-        try:
-            for line in Path(f"/proc/{p.pid}/smaps_rollup").read_text().splitlines():
-                if line.startswith("Pss:"):
-                    total += int(line.split()[1])
-        except (FileNotFoundError, ProcessLookupError, PermissionError):
-            pass
-    return total
+    return sum((proc_kb(pid, ("Pss",), "smaps_rollup") or {}).get("Pss", 0) for pid in {root, *children(root)})
 
 
 def count_lines(path: Path) -> int:
