@@ -43,12 +43,13 @@ def make_testbed(settings: Any) -> Any:
 
 
 def ensure_digits_app() -> None:
-    """The default digits reward ensemble deployed (again, if a run or test replaced it). Digits runs find it
-    serving their ensemble and use it instead of deploying their own (~30 s each on 2 cores)."""
+    """The default digits reward ensemble deployed as configs/smoke.yaml serves it (again, if a run or test
+    replaced it). Digits runs find it serving their ensemble and use it instead of deploying their own."""
+    from steadyrl.services.config import CONFIG_DIR, load_config
     from steadyrl.services.serving import deploy_reward_app
     from steadyrl.services.testbeds import DigitsSettings
 
-    deploy_reward_app(make_testbed(DigitsSettings()), reuse=True)
+    deploy_reward_app(make_testbed(DigitsSettings()), load_config(CONFIG_DIR / "smoke.yaml").serve, reuse=True)
 
 
 def train_local(config: Path, run_dir: Path, overrides: list[str] = ()) -> tuple[Any, list[dict]]:

@@ -1,5 +1,6 @@
 """serve.colocate_models: the reward ensemble's models hosted in the ingress's own replica. Over HTTP and by handle
-it answers exactly as the app with one replica per model (the session's digits app), from one Serve replica."""
+it answers exactly as the app with one replica per model, from one Serve replica (the session's digits app, as
+configs/smoke.yaml deploys it)."""
 from __future__ import annotations
 
 import httpx
@@ -12,16 +13,16 @@ from steadyrl.services.serving.deployments import InProcessModel, RewardEnsemble
 from steadyrl.services.testbeds import DigitsSettings
 from tests.helpers import make_testbed
 
-APP, PREFIX = "reward_colocated_test", "/reward_colocated_test"
+APP, PREFIX = "reward_per_model_test", "/reward_per_model_test"
 
 
 @pytest.fixture(scope="module")
-def colocated_url(serve_port):
+def per_model_url(serve_port):
     from ray import serve
 
     from steadyrl.services.serving import deploy_reward_app
 
-    deploy_reward_app(make_testbed(DigitsSettings()), ServeConfig(colocate_models=True), name=APP,
+    deploy_reward_app(make_testbed(DigitsSettings()), ServeConfig(colocate_models=False), name=APP,
                       route_prefix=PREFIX)
     yield f"http://127.0.0.1:{serve_port}{PREFIX}"
     serve.delete(APP)
@@ -34,7 +35,7 @@ def digits_records():
     return images[idx], labels[idx]
 
 
-def test_a_colocated_app_runs_one_replica_and_scores_exactly_as_the_per_model_app(colocated_url, reward_url,
+def test_a_colocated_app_runs_one_replica_and_scores_exactly_as_the_per_model_app(reward_url, per_model_url,
                                                                                   digits_records):
     from ray import serve
 
@@ -43,16 +44,16 @@ def test_a_colocated_app_runs_one_replica_and_scores_exactly_as_the_per_model_ap
     images, labels = digits_records
     body = {"kind": "digits", "samples": [{"image": img[0].tolist(), "digit": int(y), "group": i // 4}
                                           for i, (img, y) in enumerate(zip(images, labels))]}
-    colocated = httpx.post(f"{colocated_url}/v1/score", json=body, timeout=60)
-    per_model = httpx.post(f"{reward_url}/v1/score", json=body, timeout=60)
+    colocated = httpx.post(f"{reward_url}/v1/score", json=body, timeout=60)
+    per_model = httpx.post(f"{per_model_url}/v1/score", json=body, timeout=60)
     assert colocated.status_code == 200, colocated.text
     assert colocated.json() == per_model.json()  # scores, reward, uncertainty, monitors: the same numbers
-    assert list(serve.status().applications[APP].deployments) == ["ensemble"]
-    assert len(serve.status().applications[APP_NAME].deployments) == 5  # ensemble + 3 members + the gold monitor
-    by_handle = serve.get_app_handle(APP).score_tensors.remote(images, labels).result()
-    reference = serve.get_app_handle(APP_NAME).score_tensors.remote(images, labels).result()
+    assert list(serve.status().applications[APP_NAME].deployments) == ["ensemble"]
+    assert len(serve.status().applications[APP].deployments) == 5  # ensemble + 3 members + the gold monitor
+    by_handle = serve.get_app_handle(APP_NAME).score_tensors.remote(images, labels).result()
+    reference = serve.get_app_handle(APP).score_tensors.remote(images, labels).result()
     assert torch.equal(by_handle.scores, reference.scores) and torch.equal(by_handle.features, reference.features)
-    health = httpx.get(f"{colocated_url}/healthz", timeout=60).json()
+    health = httpx.get(f"{reward_url}/healthz", timeout=60).json()
     assert [m["name"] for m in health["models"]] == ["cnn", "mlp", "linear", "gold"]
 
 

@@ -92,7 +92,7 @@ def test_killed_rollout_worker_and_reward_replica_are_replaced_without_losing_a_
     first_worker = actor_pid(run, "rollout_0")
     os.kill(first_worker, signal.SIGKILL)  # step 2 is under way
     wait_for(lambda: steps_logged(run) >= 3, "step 3")
-    name, first_replica = _replica("reward_cnn")  # the reward the run trains on
+    name, first_replica = _replica("ensemble")  # hosts the reward models (configs/smoke.yaml: serve.colocate_models)
     os.kill(first_replica, signal.SIGKILL)  # the next scoring call meets it dead
     thread.join(timeout=600)
     assert "error" not in out, out.get("error")
