@@ -32,8 +32,9 @@ install-test: $(VENV)/.installed-test
 run: install
 	$(VENV)/bin/steadyrl train $(ARGS)
 
+# STEADYRL_TEST_PREWARM: tests/prewarm.py builds the slowest cached artefacts beside the first tests (0: off)
 test: install-test
-	$(PY) -m pytest $(PYTEST_ARGS)
+	STEADYRL_TEST_PREWARM=$${STEADYRL_TEST_PREWARM:-1} $(PY) -m pytest $(PYTEST_ARGS)
 
 # vLLM's CPU build in a venv of its own (it pins transformers<5.20; the main venv has 5.24). Its torchvision,
 # torchaudio and torchcodec wheels do not import beside the CPU torch and nothing here uses them: removed.

@@ -1,6 +1,7 @@
 """One cache directory for built artefacts, keyed by config, written atomically."""
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import os
@@ -61,24 +62,42 @@ def torch_extensions_dir() -> Path:
 def build_dir_atomically(target: Path, build: Callable[[Path], None]) -> Path:
     """Run `build(tmp_dir)` and move the result to `target` in one rename.
 
-    A crash mid-build leaves only a temp folder (removed), never a half-written `target`.
-    If another process finished first, its result is kept.
+    A crash mid-build leaves only a temp folder (removed), never a half-written `target`. A process that asks for
+    an artefact another is building waits for it (`_building`) instead of building it a second time; if both
+    built it anyway (the lock is advisory), the first result is kept.
     """
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
-    try:
-        build(tmp)
+    with _building(target):
+        if target.exists():  # built by the process that held the lock
+            return target
+        tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
         try:
-            os.rename(tmp, target)
-        except OSError:
-            if not target.exists():
-                raise
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
+            build(tmp)
+            try:
+                os.rename(tmp, target)
+            except OSError:
+                if not target.exists():
+                    raise
+        finally:
+            if tmp.exists():
+                shutil.rmtree(tmp, ignore_errors=True)
     return target
+
+
+@contextmanager
+def _building(target: Path) -> Iterator[None]:
+    """Hold an exclusive lock on `.<target>.lock` beside `target` while it is built (flock: released by the kernel
+    if the holder dies). The file is removed on the way out; a process still waiting on it then finds `target`
+    built, or, after a failed build, builds it itself."""
+    lock = target.parent / f".{target.name}.lock"
+    with open(lock, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            lock.unlink(missing_ok=True)
 
 
 def write_text_atomically(path: Path, text: str) -> None:

@@ -1,6 +1,10 @@
 """Reward models: accuracies, data separation, JPEG reward, ensemble uncertainty, diversity, caching."""
 from __future__ import annotations
 
+import multiprocessing
+import time
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -128,6 +132,35 @@ def test_atomic_build_leaves_nothing_behind_on_failure(tmp_path):
     assert not target.exists() and list(tmp_path.iterdir()) == []
     build_dir_atomically(target, lambda tmp: (tmp / "ok").write_text("1"))
     assert (target / "ok").read_text() == "1"
+
+
+def _slow_build(tmp: Path, log: str) -> None:
+    with open(log, "a") as f:
+        f.write("built\n")
+    time.sleep(1.5)
+    (tmp / "ok").write_text("1")
+
+
+def _build_in_child(target: str, log: str) -> None:
+    build_dir_atomically(Path(target), lambda tmp: _slow_build(tmp, log))
+
+
+def test_a_build_another_process_has_under_way_is_waited_for_not_repeated(tmp_path):
+    """Two processes asking for one artefact (a test and the suite's pre-warmer, two workers on one node): the
+    second waits for the first's lock and reuses its result."""
+    target, log = tmp_path / "artefact", tmp_path / "builds.log"
+    child = multiprocessing.get_context("fork").Process(target=_build_in_child, args=(str(target), str(log)))
+    child.start()
+    deadline = time.time() + 30
+    while not log.exists():  # the child holds the lock and is building
+        assert time.time() < deadline and child.is_alive(), "the child never started its build"
+        time.sleep(0.01)
+    assert build_dir_atomically(target, lambda tmp: _slow_build(tmp, str(log))) == target
+    child.join(timeout=30)
+    assert child.exitcode == 0
+    assert log.read_text() == "built\n"  # once, by the child
+    assert (target / "ok").read_text() == "1"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["artefact", "builds.log"]  # no lock file left
 
 
 def test_classifier_cache_is_reused_without_training(models, monkeypatch):
