@@ -22,24 +22,21 @@ PRESETS = ("digits-grpo", "arith-ar-grpo", "arith-bd-grpo", "arith-grpo", "digit
 
 def build_deepspeed_cpu_op() -> None:
     """The shared-memory collective op DeepSpeed's CPU accelerator loads at its first engine, compiled into the
-    cache's TORCH_EXTENSIONS_DIR as a learner's process does (`services.rank_env.set_rank_env`)."""
-    from steadyrl.rollout.cache import torch_extensions_dir
+    cache's TORCH_EXTENSIONS_DIR, in the environment a learner actor has (`services.runtime.worker_env`)."""
+    from steadyrl.services.runtime import worker_env
 
-    os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(torch_extensions_dir()))
-    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    for key, value in worker_env().items():  # what every actor gets: the cache's TORCH_EXTENSIONS_DIR among them
+        os.environ.setdefault(key, value)
     from deepspeed.ops.op_builder.cpu import ShareMemCommBuilder
 
     ShareMemCommBuilder().load(verbose=False)
 
 
 def build_preset(name: str) -> None:
-    """What `steadyrl pretrain configs/<name>.yaml` builds: the base model and the testbed's reward models."""
-    from steadyrl.services.config import load_config
-    from steadyrl.services.testbeds import build_testbed
+    """`steadyrl pretrain configs/<name>.yaml`: the base model and the testbed's reward models."""
+    from steadyrl.services.cli import pretrain
 
-    testbed = build_testbed(load_config(ROOT / "configs" / f"{name}.yaml"))
-    testbed.base_weights(progress=False)
-    testbed.prepare_rewards()
+    pretrain([str(ROOT / "configs" / f"{name}.yaml")])
 
 
 def main() -> None:
