@@ -99,7 +99,7 @@ def write_hf_checkpoint(net: nn.Module, directory: Path, generation: dict[str, A
     """`net` (a transformers LM, adapters excluded) as a checkpoint directory an inference engine loads:
     config.json, model.safetensors and, when given, generation_config.json (`generation`: a diffusion LM's sampler
     settings, `rollout.vllm_diffusion.generation_config`)."""
-    from steadyrl.rollout.models import cpu_state
+    from steadyrl.rollout.state_dict import cpu_state
 
     directory.mkdir(parents=True, exist_ok=True)
     base = {k.replace(".base_layer.", "."): v for k, v in cpu_state(net).items()  # peft keeps the base there

@@ -1,18 +1,22 @@
 """Building the policy network and its noise schedule."""
 from __future__ import annotations
 
-from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
-from diffusers import DDIMScheduler, UNet2DModel
-from safetensors.torch import save_file
+from diffusers import DDIMScheduler
 
 from steadyrl.rollout.config import SchedulerConfig, UNetConfig
 from steadyrl.rollout.policy import ClassConditionalPolicy
 
+if TYPE_CHECKING:
+    from diffusers import UNet2DModel
+
 
 def build_unet(cfg: UNetConfig) -> UNet2DModel:
     """A class-conditional UNet2DModel predicting epsilon; random initialisation."""
+    from diffusers import UNet2DModel  # its module loads all of diffusers' transformers (~3 s): only when built
+
     n = len(cfg.block_out_channels)
     down = ["DownBlock2D"] * n
     up = ["UpBlock2D"] * n
@@ -58,13 +62,3 @@ def unet_from_weights(cfg: UNetConfig, weights: dict[str, torch.Tensor]) -> UNet
 def class_policy_from_weights(cfg: UNetConfig, weights: dict[str, torch.Tensor]) -> ClassConditionalPolicy:
     """The class-conditional policy over `unet_from_weights` (the digits testbed's policy)."""
     return ClassConditionalPolicy(unet_from_weights(cfg, weights)).eval()
-
-
-def cpu_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The state dict as CPU copies, one per entry: tied entries (an LM head sharing the embeddings, DiffusionGemma's
-    shared encoder and decoder) become separate tensors, which safetensors can write."""
-    return {k: v.detach().to("cpu", copy=True).contiguous() for k, v in model.state_dict().items()}
-
-
-def save_weights(model: torch.nn.Module, path: Path) -> None:
-    save_file(cpu_state(model), str(path))

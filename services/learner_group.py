@@ -41,9 +41,9 @@ class LearnerActor(LearnerRank):
         """This node's address and a free port on it: rank 0's is every rank's MASTER_ADDR/PORT."""
         return ray.util.get_node_ip_address(), free_port("")
 
-    def init_engine(self, base_weights: dict[str, torch.Tensor], master_addr: str, master_port: int) -> dict[str, Any]:
-        """`build`; returns where this rank runs (for actors.json)."""
-        self.build(base_weights, master_addr, master_port)
+    def init_engine(self, base_weights: dict[str, torch.Tensor], rendezvous: tuple[str, int]) -> dict[str, Any]:
+        """`build` at rank 0's (address, port); returns where this rank runs (for actors.json)."""
+        self.build(base_weights, *rendezvous)
         return actor_info("learner", self.rank)
 
     def join_weight_group(self, master_addr: str, master_port: int, size: int, backend: str) -> None:
@@ -79,10 +79,11 @@ class LearnerGroup:
         self.timeout_s = cfg.ray.step_timeout_s
 
     def start(self) -> None:
-        """Start building the engines (rank 0's address is the rendezvous); `infos` waits for them. The actors'
-        processes start at construction, so other set-up (the reward app) can run meanwhile."""
-        addr, port = get_all([(self._name(0), self.actors[0].rendezvous.remote())], self.timeout_s)[0]
-        self._init = [a.init_engine.remote(self._base_weights, addr, port) for a in self.actors]
+        """Start building the engines without waiting for them (`infos` does): rank 0's rendezvous goes to every
+        rank as an ObjectRef, which Ray resolves before `init_engine` runs. The actors' processes start at
+        construction, so other set-up (Serve, the reward app) runs meanwhile."""
+        rendezvous = self.actors[0].rendezvous.remote()
+        self._init = [a.init_engine.remote(self._base_weights, rendezvous) for a in self.actors]
 
     def infos(self) -> list[dict[str, Any]]:
         """Where each rank runs, once every rank has joined the process group and built its engine."""

@@ -38,13 +38,14 @@ class RayRuntime:
         cfg.serve.token_sha256()  # read the REST token (if any) and drop its variable before Ray's processes start
         with self.console.status("starting Ray, the Serve reward ensemble and the DeepSpeed learner"):
             self._ray_mode = init_ray(cfg.ray.address, cfg.ray.num_cpus, cfg.ray.local_network, cfg.ray.worker_niceness)
-            self._started_serve, port = start_serve(cfg.serve, self.run_dir / "logs" / "serve")
             # the base weights travel through the object store: no node but the driver's needs the cache
             base_weights = ray.put(load_file(str(base_model)))
-            # the actors' processes start now and come up while the reward app deploys
+            # the actors' processes start now, the learner builds its engine, and both go on while Serve starts
+            # and the reward app deploys
             self.learner = LearnerGroup(cfg, base_weights, self.run_dir)
             self.pool = RolloutPool(cfg, base_weights, self.run_dir, self.learner, self.console)
             self.learner.start()
+            self._started_serve, port = start_serve(cfg.serve, self.run_dir / "logs" / "serve")
             # an app already serving this very ensemble (a RayService's, an earlier run's) is used and left up
             self._deployed_app = deploy_reward_app(self.testbed, cfg.serve, reuse=True)
             self.pool.start(self.learner.infos())

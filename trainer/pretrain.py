@@ -18,7 +18,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from steadyrl.rollout.cache import build_dir_atomically, build_key, cache_root, reproducible_build
 from steadyrl.rollout.config import SchedulerConfig, StrictModel, UNetConfig
 from steadyrl.rollout.digits import digit_splits, load_digits_tensors
-from steadyrl.rollout.models import build_scheduler, build_unet, save_weights
+from steadyrl.rollout.state_dict import save_weights
 
 MODEL_FILE = "unet.safetensors"
 
@@ -65,6 +65,8 @@ def pretrain_unet(
               s ~ U(0, 1) (uniform, not SD3's logit-normal: the flow sampler's default grid, shift 1,
               is uniform in s too), the model timestep continuous (diffusers' flow-matching convention).
     """
+    from steadyrl.rollout.models import build_scheduler, build_unet  # diffusers: only once a base is built
+
     if prediction not in ("epsilon", "velocity"):
         raise ValueError(f"prediction={prediction!r} must be 'epsilon' or 'velocity'")
     with reproducible_build(cfg.seed) as gen:

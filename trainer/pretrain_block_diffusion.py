@@ -30,7 +30,7 @@ from steadyrl.rollout.block_diffusion_lm import (IMAGE_TOKENS, BlockDiffusionLMC
                                                  build_block_diffusion_lm)
 from steadyrl.rollout.cache import build_dir_atomically, build_key, cache_root, reproducible_build
 from steadyrl.rollout.config import StrictModel
-from steadyrl.rollout.models import save_weights
+from steadyrl.rollout.state_dict import save_weights
 from steadyrl.trainer.pretrain_loop import fit_on_problems
 
 MODEL_FILE = "block_diffusion_lm.safetensors"

@@ -21,7 +21,7 @@ from steadyrl.rollout.cache import build_dir_atomically, build_key, cache_root, 
 from steadyrl.rollout.causal_lm import CausalLMConfig, build_causal_lm
 from steadyrl.rollout.config import StrictModel
 from steadyrl.rollout.likelihood import completion_valid
-from steadyrl.rollout.models import save_weights
+from steadyrl.rollout.state_dict import save_weights
 from steadyrl.trainer.pretrain_loop import fit_on_problems
 
 MODEL_FILE = "causal_lm.safetensors"

@@ -21,7 +21,7 @@ from steadyrl.rollout.arith import TOKENIZER, ArithTask
 from steadyrl.rollout.cache import build_dir_atomically, build_key, cache_root, reproducible_build
 from steadyrl.rollout.config import StrictModel
 from steadyrl.rollout.masked_lm import MaskedLMConfig, build_masked_lm
-from steadyrl.rollout.models import save_weights
+from steadyrl.rollout.state_dict import save_weights
 from steadyrl.trainer.pretrain_loop import fit_on_problems
 
 MODEL_FILE = "masked_lm.safetensors"

@@ -248,7 +248,7 @@ class ArithTestbed(Testbed):
             return Path(a.pretrained) / "model.safetensors"  # a local directory written by save_pretrained
         if a.pretrained is not None:
             from steadyrl.rollout.cache import build_dir_atomically, cache_root, config_key
-            from steadyrl.rollout.models import save_weights
+            from steadyrl.rollout.state_dict import save_weights
 
             def build(tmp: Path) -> None:
                 save_weights(self._load_pretrained(), tmp / self.weights_file)
