@@ -16,6 +16,7 @@ fetches nothing: a sample never leaves its one process, and every `handoff/*` fi
 from __future__ import annotations
 
 import dataclasses
+import os
 import pickle
 from dataclasses import dataclass, field
 from typing import Any, Sequence
@@ -44,6 +45,12 @@ def value_bytes(value: Any) -> tuple[int, int]:
     return sum(p[0] for p in parts), sum(p[1] for p in parts)
 
 
+def inline_limit() -> int:
+    """The largest object Ray returns inline to its owner (`max_direct_call_object_size`: 100 KiB unless
+    $RAY_max_direct_call_object_size sets it); a bigger one is always stored in an object-store node."""
+    return int(os.environ.get("RAY_max_direct_call_object_size", 100 * 1024))
+
+
 @dataclass
 class DriverBytes:
     """Running totals since the last `take`: everything fetched, its tensor part, batches inlined into the driver,
@@ -70,7 +77,8 @@ class DriverBytes:
         for info in ray.experimental.get_object_locations(list(refs)).values():
             size = int(info.get("object_size") or 0)
             self.batches += size
-            if not info.get("node_ids") and not info.get("did_spill"):
+            # a location not reported yet also reads as no node: only an object Ray could inline counts
+            if size <= inline_limit() and not info.get("node_ids") and not info.get("did_spill"):
                 self.inlined += size
 
     def take(self) -> dict[str, float]:
