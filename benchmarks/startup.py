@@ -55,6 +55,11 @@ def timed(cmd: list[str], env: dict[str, str]) -> float:
     return time.perf_counter() - t0
 
 
+def head_commit(checkout: Path) -> str:
+    return subprocess.run(["git", "-C", str(checkout), "rev-parse", "HEAD"], capture_output=True,
+                          text=True).stdout.strip()
+
+
 def measure(env: dict[str, str], steps: int) -> dict[str, Any]:
     """One repeat of one tree."""
     imports = {role: timed([sys.executable, "-c", f"import {module}"], env) for role, module in ENTRY_MODULES.items()}
@@ -91,10 +96,7 @@ def main() -> None:
         return {"this": spread(this), "baseline": spread(base), "ratio": spread([a / b for a, b in zip(this, base)])}
 
     result = {
-        "baseline": subprocess.run(["git", "-C", str(args.baseline), "rev-parse", "HEAD"], capture_output=True,
-                                   text=True).stdout.strip(),
-        "this": subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True,
-                               text=True).stdout.strip(),
+        "baseline": head_commit(args.baseline), "this": head_commit(ROOT),
         "config": "configs/digits-grpo.yaml", "steps": args.steps, "repeats": args.repeats,
         "job_startup_s": figure(lambda run: run["job_startup_s"]),
         "job_wall_s": figure(lambda run: run["job_wall_s"]),
