@@ -24,10 +24,14 @@ the prompts are the preset's own prompt set (animals, scenes). `--real` keeps th
          pipelines have no safety checker, and the SD3 one no T5 (zeros stand in for it, as in the real
          pipeline without T5), so neither side runs one.
 
+The process keeps glibc's freed memory (`ray.keep_freed_memory`, as a rollout worker does; `--adaptive-malloc`
+leaves glibc's own policy): the allocator is the process's, so both sides run under the same one.
+
 The two alternate within each repeat, each going first in half of the repeats; the first pair is dropped (warm-up).
-The JSON holds every time, the median ratio ours / plain and its spread (min..max of the per-repeat ratios), of
-wall-clock time (the figure; target <= 1.05) and of the process's CPU time (on a CPU run: steadier than wall time on
-a shared machine; on a GPU it counts only the host's share).
+The JSON holds every time, the median ratio ours / plain, its spread (min..max of the per-repeat ratios) and a 95 %
+interval for the median (order statistics, `figures.median_interval`: it narrows with more repeats, the spread does
+not), of wall-clock time (the figure; target <= 1.05) and of the process's CPU time (on a GPU it counts only the
+host's share).
 """
 from __future__ import annotations
 
@@ -44,6 +48,10 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from figures import median_interval  # noqa: E402
+from steadyrl.services.malloc import keep_freed_memory  # noqa: E402
 
 PRESETS = {"sd15": ("configs/sd15-grpo.yaml", "save_tiny_sd_pipeline"),
            "sd35": ("configs/sd35-grpo.yaml", "save_tiny_sd3_pipeline")}
@@ -123,10 +131,10 @@ def measure(name: str, repeats: int, device: str, dtype: str, overrides: list[st
             "shift": getattr(cfg.sampler, "shift", None), "resolution": tb.tools(rollouts.policy).resolution,
             "lora": None if tb.settings.lora is None else tb.settings.lora.model_dump(),
             "ours_s": ours_s, "plain_s": plain_s, "ratio_median": statistics.median(ratios),
-            "ratio_min": min(ratios), "ratio_max": max(ratios),
+            "ratio_min": min(ratios), "ratio_max": max(ratios), "ratio_median_ci95": median_interval(ratios),
             "ours_cpu_s": [c for _, c in times["ours"]], "plain_cpu_s": [c for _, c in times["plain"]],
             "cpu_ratio_median": statistics.median(cpu_ratios), "cpu_ratio_min": min(cpu_ratios),
-            "cpu_ratio_max": max(cpu_ratios)}
+            "cpu_ratio_max": max(cpu_ratios), "cpu_ratio_median_ci95": median_interval(cpu_ratios)}
 
 
 def main() -> None:
@@ -140,25 +148,31 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's own choice)")
     ap.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
                     help="config overrides for every preset (e.g. sampler.num_steps=10 sampler.group_size=4)")
+    ap.add_argument("--adaptive-malloc", action="store_true", help="leave glibc's adaptive thresholds, which return "
+                    "freed memory to the OS (the product's ray.keep_freed_memory=false)")
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "rollout_overhead_pipelines.json")
     args = ap.parse_args()
     if args.repeats < 1:
         ap.error("--repeats must be at least 1 (the warm-up pair is dropped)")
     if args.threads is not None:
         torch.set_num_threads(args.threads)
+    kept = False if args.adaptive_malloc else keep_freed_memory()
     with tempfile.TemporaryDirectory() as tmp:
         os.environ["STEADYRL_CACHE"] = str(Path(tmp) / "cache")  # the tiny pipelines' base weights
         pipelines = {name: measure(name, args.repeats, args.device, args.dtype, args.set,
                                    None if args.real else Path(tmp)) for name in args.presets}
-    results = {"torch_threads": torch.get_num_threads(), "device": args.device, "dtype": args.dtype, "real": args.real,
-               "repeats": args.repeats, "overrides": args.set, "pipelines": pipelines}
+    results = {"torch_threads": torch.get_num_threads(), "keep_freed_memory": kept, "device": args.device,
+               "dtype": args.dtype, "real": args.real, "repeats": args.repeats, "overrides": args.set,
+               "pipelines": pipelines}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(results, indent=1))
     for name, r in pipelines.items():
-        print(f"{name} ({r['sampler']}) ours/plain median {r['ratio_median']:.3f} (min {r['ratio_min']:.3f}, max "
-              f"{r['ratio_max']:.3f}); ours {statistics.median(r['ours_s']):.3f} s, plain "
-              f"{statistics.median(r['plain_s']):.3f} s for {r['batch']} images x {r['steps']} steps; process CPU time "
-              f"ratio median {r['cpu_ratio_median']:.3f} ({r['cpu_ratio_min']:.3f}..{r['cpu_ratio_max']:.3f})")
+        lo, hi = r["ratio_median_ci95"]
+        print(f"{name} ({r['sampler']}) ours/plain median {r['ratio_median']:.3f} (95 % interval {lo:.3f}..{hi:.3f}; "
+              f"min {r['ratio_min']:.3f}, max {r['ratio_max']:.3f}); ours {statistics.median(r['ours_s']):.3f} s, "
+              f"plain {statistics.median(r['plain_s']):.3f} s for {r['batch']} images x {r['steps']} steps; "
+              f"process CPU time ratio median {r['cpu_ratio_median']:.3f} "
+              f"({r['cpu_ratio_min']:.3f}..{r['cpu_ratio_max']:.3f})")
 
 
 if __name__ == "__main__":

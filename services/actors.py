@@ -16,6 +16,7 @@ from steadyrl.rollout.batch import RolloutBatch
 from steadyrl.rollout.policy import trainable_state
 from steadyrl.services.config import TrainConfig
 from steadyrl.services.retry import with_retries
+from steadyrl.services.malloc import keep_freed_memory
 from steadyrl.services.serving import APP_NAME
 from steadyrl.services.rank_env import torch_threads
 from steadyrl.services.rollouts import Rollouts
@@ -24,8 +25,11 @@ from steadyrl.trainer.weight_broadcast import WeightBroadcastGroup
 
 
 def setup_process(cfg: TrainConfig, log_file: Path) -> None:
+    """An actor's process: its output to `log_file`, torch's threads, glibc's allocator (`ray.keep_freed_memory`)."""
     redirect_output(log_file)
     torch.set_num_threads(torch_threads(cfg))
+    if cfg.ray.keep_freed_memory:
+        keep_freed_memory()
 
 
 def actor_device(gpus: float) -> torch.device:
@@ -85,7 +89,8 @@ class RolloutWorker:
             self.reward_retries += 1
 
         return with_retries(
-            lambda: self.reward.score_tensors.remote(samples, cond, group).result(timeout_s=serve_cfg.request_timeout_s),
+            lambda: self.reward.score_tensors.remote(samples, cond, group).result(
+                timeout_s=serve_cfg.request_timeout_s),
             serve_cfg.max_retries, serve_cfg.retry_backoff_s, "scoring through the reward ensemble", count)
 
     @ray.method(num_returns=2)

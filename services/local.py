@@ -25,6 +25,7 @@ from steadyrl.rollout.policy import trainable_state
 from steadyrl.services.config import TrainConfig
 from steadyrl.services.checkpoints import rollout_weights_file
 from steadyrl.services.learner_rank import LearnerRank
+from steadyrl.services.malloc import keep_freed_memory
 from steadyrl.services.rank_env import free_port, torch_threads
 from steadyrl.services.rollouts import Rollouts
 from steadyrl.services.testbeds.base import Testbed
@@ -160,6 +161,8 @@ class LocalRuntime:
         gpu = cfg.ray.learner_gpus > 0 and torch.cuda.is_available()
         os.environ.setdefault("DS_ACCELERATOR", "cuda" if gpu else "cpu")
         self._context.enter_context(using_threads(torch_threads(cfg)))
+        if cfg.ray.keep_freed_memory:  # for the rest of this process: glibc has no way back to its adaptive policy
+            keep_freed_memory()
         base_weights = load_file(str(base_model))
         with self.console.status("building the DeepSpeed learner (in this process)"):
             self.learner = LocalLearner(cfg, base_weights)
