@@ -3,7 +3,7 @@
 A CPU tensor of more than glibc's mmap threshold is its own `mmap`, and freed memory at the top of the heap beyond
 the trim threshold goes back to the OS; both thresholds start small (128 KiB, 256 KiB) and only grow as mmapped
 chunks are freed. Every step's activations then come back as fresh pages the kernel must fault in and zero: on
-the tiny SD3 rollout, 320k page faults a rollout and 15-20 % of its time (`benchmarks/rollout_overhead_pipelines.py`).
+the tiny SD3 rollout, 320k page faults a rollout and 13 % of its time (`benchmarks/rollout_overhead_pipelines.py`).
 Fixing the thresholds high keeps freed memory in the process for the next step, as `torch.backends.xeon.run_cpu`
 does by preloading jemalloc with its decay set to never. The cost: the process's RSS stays at its peak.
 """
