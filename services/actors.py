@@ -15,8 +15,8 @@ from steadyrl.reward.ensemble import EnsembleScores
 from steadyrl.rollout.batch import RolloutBatch
 from steadyrl.rollout.policy import trainable_state
 from steadyrl.services.config import TrainConfig
-from steadyrl.services.retry import with_retries
 from steadyrl.services.malloc import keep_freed_memory
+from steadyrl.services.retry import with_retries
 from steadyrl.services.serving import APP_NAME
 from steadyrl.services.rank_env import torch_threads
 from steadyrl.services.rollouts import Rollouts
