@@ -24,8 +24,8 @@ the prompts are the preset's own prompt set (animals, scenes). `--real` keeps th
          pipelines have no safety checker, and the SD3 one no T5 (zeros stand in for it, as in the real
          pipeline without T5), so neither side runs one.
 
-The process keeps glibc's freed memory (`ray.keep_freed_memory`, as a rollout worker does; `--adaptive-malloc`
-leaves glibc's own policy): the allocator is the process's, so both sides run under the same one.
+`--keep-freed-memory` fixes glibc's thresholds for the process (`ray.keep_freed_memory=true`); by default it keeps
+glibc's own policy, as the product does. The allocator is the process's, so both sides run under the same one.
 
 The two alternate within each repeat, each going first in half of the repeats; the first pair is dropped (warm-up).
 The JSON holds every time, the median ratio ours / plain, its spread (min..max of the per-repeat ratios) and a 95 %
@@ -148,15 +148,15 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's own choice)")
     ap.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
                     help="config overrides for every preset (e.g. sampler.num_steps=10 sampler.group_size=4)")
-    ap.add_argument("--adaptive-malloc", action="store_true", help="leave glibc's adaptive thresholds, which return "
-                    "freed memory to the OS (the product's ray.keep_freed_memory=false)")
+    ap.add_argument("--keep-freed-memory", action="store_true", help="fix glibc's thresholds so freed memory stays "
+                    "in the process (ray.keep_freed_memory=true); default: glibc's adaptive policy")
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "rollout_overhead_pipelines.json")
     args = ap.parse_args()
     if args.repeats < 1:
         ap.error("--repeats must be at least 1 (the warm-up pair is dropped)")
     if args.threads is not None:
         torch.set_num_threads(args.threads)
-    kept = False if args.adaptive_malloc else keep_freed_memory()
+    kept = keep_freed_memory() if args.keep_freed_memory else False
     with tempfile.TemporaryDirectory() as tmp:
         os.environ["STEADYRL_CACHE"] = str(Path(tmp) / "cache")  # the tiny pipelines' base weights
         pipelines = {name: measure(name, args.repeats, args.device, args.dtype, args.set,
