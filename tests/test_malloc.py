@@ -26,7 +26,7 @@ model = load_config(sys.argv[2], []).testbed.model
 net = build_unet(model)
 shape = (model.channels, model.sample_size, model.sample_size)
 faults = []
-for step in range(6):  # the default job's step in small: two trained micro-batches of 32, a sampling pass of 160
+for step in range(12):  # the default job's step in small: two trained micro-batches of 32, a sampling pass of 160
     before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     for _ in range(2):
         x = torch.randn(32, *shape)
@@ -47,8 +47,9 @@ def page_faults_per_step(mode: str) -> dict:
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's allocator: Linux only")
 def test_kept_freed_memory_ends_the_page_faults_of_every_step():
     """The default preset's UNet: under glibc's adaptive thresholds every step after the first three still faults in
-    thousands of fresh pages (3.5-6k measured), as the memory its activations freed went back to the OS; kept, most
-    steps none (an occasional few hundred where the heap still grows)."""
+    thousands of fresh pages (3.5-8k measured), as the memory its activations freed went back to the OS; kept, most
+    steps none. A kept step now and then still faults a few hundred to 1.6k pages where the heap grows: one CI run
+    had two of three such steps, so the median is taken over nine."""
     adaptive, kept = page_faults_per_step("adaptive"), page_faults_per_step("keep")
     assert kept["applied"] is True
     assert min(adaptive["faults"]) > 1000, adaptive
