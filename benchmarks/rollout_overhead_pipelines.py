@@ -24,8 +24,9 @@ the prompts are the preset's own prompt set (animals, scenes). `--real` keeps th
          pipelines have no safety checker, and the SD3 one no T5 (zeros stand in for it, as in the real
          pipeline without T5), so neither side runs one.
 
-`--keep-freed-memory` fixes glibc's thresholds for the process (`ray.keep_freed_memory=true`); by default it keeps
-glibc's own policy, as the product does. The allocator is the process's, so both sides run under the same one.
+By default the process keeps freed memory as the product's rollout workers do (`ray.keep_freed_memory`, default
+true); `--no-keep-freed-memory` leaves glibc's own adaptive policy. The allocator is the process's, so both sides
+run under the same one.
 
 The two alternate within each repeat, each going first in half of the repeats; the first pair is dropped (warm-up).
 The JSON holds every time, the median ratio ours / plain, its spread (min..max of the per-repeat ratios) and a 95 %
@@ -51,6 +52,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from figures import median_interval  # noqa: E402
+from steadyrl.services.config import RayConfig  # noqa: E402
 from steadyrl.services.malloc import keep_freed_memory  # noqa: E402
 
 PRESETS = {"sd15": ("configs/sd15-grpo.yaml", "save_tiny_sd_pipeline"),
@@ -148,8 +150,10 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's own choice)")
     ap.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
                     help="config overrides for every preset (e.g. sampler.num_steps=10 sampler.group_size=4)")
-    ap.add_argument("--keep-freed-memory", action="store_true", help="fix glibc's thresholds so freed memory stays "
-                    "in the process (ray.keep_freed_memory=true); default: glibc's adaptive policy")
+    ap.add_argument("--keep-freed-memory", action=argparse.BooleanOptionalAction,
+                    default=RayConfig.model_fields["keep_freed_memory"].default,
+                    help="fix glibc's thresholds so freed memory stays in the process, as the product's "
+                    "ray.keep_freed_memory does (default: the product's default); --no-...: glibc's adaptive policy")
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "rollout_overhead_pipelines.json")
     args = ap.parse_args()
     if args.repeats < 1:

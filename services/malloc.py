@@ -6,7 +6,7 @@ the trim threshold goes back to the OS; both thresholds start at 128 KiB and onl
 fault in and zero: on the tiny SD3 rollout, 320k page faults a rollout and 13 % of its time
 (`benchmarks/rollout_overhead_pipelines.py`). Fixing the thresholds high keeps freed memory in the process for the
 next step, as `torch.backends.xeon.run_cpu` does by preloading jemalloc with its decay set to never. The cost: the
-process's RSS stays at its peak. Opt-in: on the Ray runtime the learner actor's update ran slower with it.
+process's RSS stays at its peak.
 """
 from __future__ import annotations
 
