@@ -6,9 +6,9 @@
 Each run is `steadyrl train --local` (the product loop in one process; `--runtime ray`: `steadyrl train`, the
 same loop over a local Ray and Serve) in its own subprocess, A and B alternating (A first in even pairs, B first
 in odd ones); per run the median over its steps after the first `--warmup` of each `timing_s/*` phase; then per
-pair the ratio B / A of each, and their median, its 95 % interval (`figures.median_interval`: min..max
-below 6 pairs) and min..max. The runs' held-out evaluations are kept too, so a
-change that should not alter learning can be seen not to.
+pair the ratio B / A of each, and their median, its 95 % interval (`figures.median_interval`: min..max below 6
+pairs) and min..max. The runs' held-out evaluations are kept too, so a change that should not alter learning can
+be seen not to.
 """
 from __future__ import annotations
 
