@@ -118,9 +118,9 @@ def test_an_upload_that_stalls_gets_a_408_naming_the_setting(slow_url):
     assert IDLE_TIMEOUT_S - 0.5 < waited < IDLE_TIMEOUT_S + 5, waited
 
 
-def test_a_trickled_body_hits_the_whole_body_deadline(slow_url):
-    """One byte every 0.5 s never trips the idle timeout; the deadline for the whole body still ends it."""
-    sock = open_upload(f"{slow_url}/v1/score", headers=AUTH)
+def trickle_until_reply(url: str) -> tuple[bytes, float]:
+    """Send one byte of body every 0.5 s until the server replies; (the whole reply, seconds until it began)."""
+    sock = open_upload(url, headers=AUTH)
     t0 = time.perf_counter()
     sock.settimeout(0.5)
     reply = b""
@@ -136,6 +136,16 @@ def test_a_trickled_body_hits_the_whole_body_deadline(slow_url):
     while chunk := sock.recv(65536):  # the rest of the reply, until the server closes the connection
         reply += chunk
     sock.close()
+    return reply, waited
+
+
+def test_a_trickled_body_hits_the_whole_body_deadline(slow_url):
+    """One byte every 0.5 s never trips the idle timeout; the deadline for the whole body still ends it. One
+    retry: a CI run once saw the idle 408, the bytes held up for 4 s somewhere between the proxy and the replica
+    on the busy 2-core machine; the server twice in a row taking a trickle for a stall still fails."""
+    reply, waited = trickle_until_reply(f"{slow_url}/v1/score")
+    if b"serve.body_idle_timeout_s" in reply:
+        reply, waited = trickle_until_reply(f"{slow_url}/v1/score")
     assert reply.startswith(b"HTTP/1.1 408") and b"serve.body_timeout_s" in reply, reply
     assert BODY_TIMEOUT_S - 0.5 < waited < BODY_TIMEOUT_S + 5, waited
 
