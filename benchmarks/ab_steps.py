@@ -23,7 +23,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from figures import median_interval, write_json  # noqa: E402
+from figures import median_interval, spread, write_json  # noqa: E402
 
 
 def one_run(config: str, overrides: list[str], steps: int, runtime: str = "local", warmup: int = 1) -> dict:
@@ -74,8 +74,7 @@ def main() -> None:
             if phase in a["phase_s"] and phase in b["phase_s"] and a["phase_s"][phase] > 0:
                 per_pair.append(b["phase_s"][phase] / a["phase_s"][phase])
         if per_pair:
-            ratios[phase] = {"median": statistics.median(per_pair), "median_ci95": median_interval(per_pair),
-                             "min": min(per_pair), "max": max(per_pair), "per_pair": per_pair}
+            ratios[phase] = {**spread(per_pair), "median_ci95": median_interval(per_pair), "per_pair": per_pair}
     result = {"config": args.config, "runtime": args.runtime, "a": args.a, "b": args.b, "steps": args.steps,
               "warmup": args.warmup, "pairs": args.pairs,
               "ratio_b_over_a": ratios, "runs": runs}
