@@ -16,6 +16,7 @@ from steadyrl.rollout.cache import write_text_atomically
 
 CHECKPOINTS = "checkpoints"
 CONTROLLER_STATE = "controller.json"
+ACTORS_FILE = "actors.json"  # where a Ray run lists its actors (role, pid, node)
 
 
 class RunFailed(RuntimeError):

@@ -9,6 +9,7 @@ from typing import Optional
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from steadyrl.services.config import ConfigError, load_config
@@ -24,7 +25,7 @@ console = Console()
 
 def _fail(message: str) -> None:
     """Print an error (unwrapped, so paths and field names stay whole) and exit with status 2."""
-    console.print(f"[red]error:[/red] {message}", soft_wrap=True)
+    console.print(f"[red]error:[/red] {escape(message)}", soft_wrap=True)
     raise typer.Exit(2)
 
 
@@ -75,6 +76,8 @@ def train(
         config, overrides, _ = _load(args)
         try:
             result = run_train(config, overrides, console=console)
+        except ConfigError as err:  # found after the config loaded: Ray missing, a model not to be had
+            _fail(str(err))
         except RunFailed as err:
             _run_failed(err)
     raise typer.Exit(result.exit_status)
@@ -106,6 +109,12 @@ def serve_reward(
     port: Optional[int] = typer.Option(None, help="HTTP port (default serve.port, 8000; 0 picks a free one)"),
 ) -> None:
     """Start the reward-ensemble Serve application alone and serve it until Ctrl-C or SIGTERM."""
+    from steadyrl.services.controller import require_ray
+
+    try:
+        require_ray("serve-reward (a Ray Serve application)", instead="")
+    except ConfigError as err:
+        _fail(str(err))
     import ray
     from ray import serve
 

@@ -11,6 +11,7 @@ code for both.
 from __future__ import annotations
 
 import json
+import sys
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -23,15 +24,14 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from steadyrl.rollout.cache import write_text_atomically
-from steadyrl.services.checkpoints import (CHECKPOINTS, CONTROLLER_STATE, RunFailed,  # noqa: F401
+from steadyrl.services.checkpoints import (ACTORS_FILE, CHECKPOINTS, CONTROLLER_STATE, RunFailed,  # noqa: F401
                                            checkpoint_before, drop_checkpoints_after, latest_checkpoint,
                                            latest_state, new_checkpoint, resume_hint)
-from steadyrl.services.config import TrainConfig, dump_config, load_config
+from steadyrl.services.config import ConfigError, TrainConfig, dump_config, load_config
 from steadyrl.services.driver_bytes import DRIVER_FETCHES
-from steadyrl.services.remote import ComponentFailed
+from steadyrl.services.failures import ComponentFailed
 from steadyrl.services.report import MetricsWriter, read_metrics, save_curves
 from steadyrl.services.resume import check_resume, record_resume
-from steadyrl.services.rollout_pool import ACTORS_FILE  # noqa: F401 - where a run lists its actors
 from steadyrl.services.run_health import RunHealth
 from steadyrl.services.signals import stop_status
 from steadyrl.services.testbeds import build_testbed
@@ -71,12 +71,24 @@ class Stopwatch:
             self.seconds[f"timing_s/{name}"] = time.perf_counter() - t0
 
 
+def require_ray(what: str, instead: str = "train in this one process without Ray: `steadyrl train --local ...` "
+                "(run.runtime=local)") -> None:
+    """A clear error, before anything starts, where Ray is not installed (an air-gapped GPU node, say): only the
+    Ray runtime and the Serve app need it."""
+    import importlib.util
+
+    if importlib.util.find_spec("ray") is None:
+        raise ConfigError(f"{what} needs Ray, which is not installed in this Python ({sys.executable}): install it "
+                          f"(`pip install 'ray[serve]'`){', or ' + instead if instead else ''}")
+
+
 def build_runtime(cfg: TrainConfig, testbed, run_dir: Path, console: Console):
     """The runtime `run.runtime` names: "ray" (actors, Serve, DeepSpeed ranks) or "local" (one process)."""
     if cfg.run.runtime == "local":
         from steadyrl.services.local import LocalRuntime
 
         return LocalRuntime(cfg, testbed, run_dir, console)
+    require_ray("run.runtime=ray")
     from steadyrl.services.ray_runtime import RayRuntime
 
     return RayRuntime(cfg, testbed, run_dir, console)

@@ -22,7 +22,6 @@ from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 import numpy as np
-import ray
 import torch
 
 
@@ -74,6 +73,8 @@ class DriverBytes:
         """Count a step's batch refs (their tasks done): each one's serialized size, and those Ray holds in the
         driver's own memory store (inlined: no object-store node holds them, nor spilled them) as bytes that reached
         the driver."""
+        import ray  # the Ray runtime's alone: the local runtime counts nothing and runs without Ray
+
         for info in ray.experimental.get_object_locations(list(refs)).values():
             size = int(info.get("object_size") or 0)
             self.batches += size

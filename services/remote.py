@@ -8,22 +8,11 @@ import ray
 from ray.exceptions import GetTimeoutError, RayActorError
 
 from steadyrl.services.driver_bytes import DRIVER_FETCHES
+from steadyrl.services.failures import ComponentFailed  # noqa: F401 - raised here, caught by the controller
 from steadyrl.services.retry import first_line
 
 #: what an actor call fails with when its actor died, hung or could not be reached
 ACTOR_FAILURES = (RayActorError, GetTimeoutError)
-
-
-class ComponentFailed(RuntimeError):
-    """`component` (e.g. "the learner", "rollout worker 1") `what` ("died", "timed out", ...), `cause` the error."""
-
-    def __init__(self, component: str, what: str, cause: str):
-        super().__init__(f"{component} {what} ({cause})")
-        self.component, self.what, self.cause = component, what, cause
-
-    def during(self, step: int) -> str:
-        """'the learner died during step 5 (cause)'."""
-        return f"{self.component} {self.what} during step {step} ({self.cause})"
 
 
 def wait_all(calls: Sequence[tuple[str, ray.ObjectRef]], timeout_s: float, check: bool = True) -> None:

@@ -22,14 +22,13 @@ from safetensors.torch import load_file
 
 from steadyrl.rollout.cache import write_text_atomically
 from steadyrl.services.actors import RolloutWorker, write_weights
-from steadyrl.services.checkpoints import rollout_weights_file
+from steadyrl.services.checkpoints import ACTORS_FILE, rollout_weights_file
 from steadyrl.services.config import TrainConfig
 from steadyrl.services.driver_bytes import DRIVER_FETCHES
 from steadyrl.services.learner_group import LearnerGroup, reserve_bundles
 from steadyrl.services.remote import ACTOR_FAILURES, ComponentFailed, get_all
 from steadyrl.services.retry import first_line
 
-ACTORS_FILE = "actors.json"
 
 
 @dataclass(frozen=True)
