@@ -18,7 +18,7 @@ from steadyrl.services.config import TrainConfig
 from steadyrl.services.malloc import keep_freed_memory
 from steadyrl.services.retry import with_retries
 from steadyrl.services.serving import APP_NAME
-from steadyrl.services.rank_env import torch_threads
+from steadyrl.services.rank_env import actor_device, torch_threads
 from steadyrl.services.rollouts import Rollouts
 from steadyrl.services.runtime import redirect_output
 from steadyrl.trainer.weight_broadcast import WeightBroadcastGroup
@@ -30,15 +30,6 @@ def setup_process(cfg: TrainConfig, log_file: Path) -> None:
     torch.set_num_threads(torch_threads(cfg))
     if cfg.ray.keep_freed_memory:
         keep_freed_memory()
-
-
-def actor_device(gpus: float) -> torch.device:
-    """cuda when this actor was given a GPU (Ray sets CUDA_VISIBLE_DEVICES to it), else the CPU."""
-    if gpus > 0:
-        if not torch.cuda.is_available():
-            raise RuntimeError(f"this actor asked Ray for {gpus} GPU(s) but torch sees no CUDA device")
-        return torch.device("cuda")
-    return torch.device("cpu")
 
 
 def actor_info(role: str, index: int) -> dict[str, Any]:

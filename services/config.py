@@ -269,6 +269,9 @@ class TrainConfig(StrictModel):
             raise ValueError(f"health.anomaly answers an event by raising the KL weight, but objective "
                              f"{self.objective.name!r} has no KL term (objective.kl_coef is 0 or absent): set "
                              "objective.kl_coef > 0 or leave health.anomaly.enabled off")
+        if self.learner.fused_adam and self.ray.learner_gpus <= 0:
+            raise ValueError("learner.fused_adam=true runs DeepSpeed's CUDA kernel: it needs the learner on a GPU "
+                             "(ray.learner_gpus > 0); on the CPU leave it false (torch's AdamW)")
         if self.run.runtime == "local" and self.learner.ranks != 1:
             raise ValueError(f"learner.ranks={self.learner.ranks}: run.runtime=local runs one learner rank in its "
                              "process; use run.runtime=ray for more")

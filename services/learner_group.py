@@ -16,9 +16,10 @@ import torch
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from steadyrl.services.actors import actor_device, actor_info, setup_process
+from steadyrl.services.actors import actor_info, setup_process
 from steadyrl.services.config import TrainConfig
 from steadyrl.services.learner_rank import LearnerRank
+from steadyrl.services.rank_env import actor_device
 from steadyrl.services.remote import get_all, wait_all
 from steadyrl.services.runtime import free_port
 from steadyrl.trainer.controls import UpdateControls

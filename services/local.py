@@ -2,10 +2,11 @@
 
 The controller runs the same loop over these as over the Ray runtime: `LocalRolloutPool` runs every worker's
 share with `services.rollouts.Rollouts` (the code the Ray workers run), `LocalLearner` is one `LearnerRank`
-(the DeepSpeed rank the Ray learner actors run) and rewards come from the testbed's in-process ensemble, built
-by the same factory as the Serve deployments and scored on one thread as the Serve replicas score. With the
-same `ray.torch_threads`, a run gives the same metrics bitwise on either runtime. For debugging (breakpoints,
-profilers in one process) and for many-seed benchmarks.
+(the DeepSpeed rank the Ray learner actors run), each on cuda where its `ray.*_gpus` asks for a GPU and torch
+sees one, and rewards come from the testbed's in-process ensemble, built by the same factory as the Serve
+deployments and scored on one thread as the Serve replicas score. With the same `ray.torch_threads`, a run
+gives the same metrics bitwise on either runtime. For debugging (breakpoints, profilers in one process), many-seed
+benchmarks, and nodes without Ray (it imports none).
 """
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ from steadyrl.services.config import TrainConfig
 from steadyrl.services.checkpoints import rollout_weights_file
 from steadyrl.services.learner_rank import LearnerRank
 from steadyrl.services.malloc import keep_freed_memory
-from steadyrl.services.rank_env import free_port, torch_threads
+from steadyrl.services.rank_env import free_port, local_device, torch_threads
 from steadyrl.services.rollouts import Rollouts
 from steadyrl.services.testbeds.base import Testbed
 from steadyrl.trainer.controls import UpdateControls
@@ -90,7 +91,7 @@ class LocalRolloutPool:
     def __init__(self, cfg: TrainConfig, base_weights: dict[str, Tensor], learner: LocalLearner, scorer: LocalScorer):
         self.cfg, self.learner, self.score = cfg, learner, scorer
         self.n_workers = cfg.ray.rollout_workers
-        self.rollouts = Rollouts(cfg, base_weights)
+        self.rollouts = Rollouts(cfg, base_weights, local_device(cfg.ray.rollout_gpus))
         self.base = (0, {k: v.clone() for k, v in trainable_state(self.rollouts.policy).items()})
         self.current = self.base  # (policy version, its trainable tensors) last published
         self.launches: dict[int, tuple[int, dict[str, Tensor]]] = {}
@@ -158,8 +159,11 @@ class LocalRuntime:
 
     def start(self, base_model: Path) -> tuple[LocalRolloutPool, LocalLearner]:
         cfg = self.cfg
-        gpu = cfg.ray.learner_gpus > 0 and torch.cuda.is_available()
-        os.environ.setdefault("DS_ACCELERATOR", "cuda" if gpu else "cpu")
+        learner_device = local_device(cfg.ray.learner_gpus)
+        os.environ.setdefault("DS_ACCELERATOR", learner_device.type)
+        if (cfg.ray.learner_gpus > 0 or cfg.ray.rollout_gpus > 0) and not torch.cuda.is_available():
+            self.console.print("ray.learner_gpus / ray.rollout_gpus ask for a GPU but torch sees no CUDA device: "
+                               "the local runtime runs on the CPU", soft_wrap=True, highlight=False)
         self._context.enter_context(using_threads(torch_threads(cfg)))
         if cfg.ray.keep_freed_memory:  # for the rest of this process: glibc has no way back to its adaptive policy
             keep_freed_memory()

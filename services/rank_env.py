@@ -1,9 +1,11 @@
-"""A process's environment as a DeepSpeed rank, its torch threads, and free ports (no Ray: the local runtime
-uses them too)."""
+"""A process's environment as a DeepSpeed rank, its torch threads, its device and free ports (no Ray: the local
+runtime uses them too)."""
 from __future__ import annotations
 
 import os
 import socket
+
+import torch
 
 from steadyrl.rollout.cache import torch_extensions_dir
 from steadyrl.services.config import TrainConfig
@@ -31,3 +33,18 @@ def torch_threads(cfg: TrainConfig, cores: int | None = None) -> int:
         return cfg.ray.torch_threads
     cores = cores or os.cpu_count() or 1
     return max(1, cores // 2) if cfg.learner.max_staleness > 0 else cores
+
+
+def actor_device(gpus: float) -> torch.device:
+    """cuda when this actor was given a GPU (Ray sets CUDA_VISIBLE_DEVICES to it), else the CPU."""
+    if gpus > 0:
+        if not torch.cuda.is_available():
+            raise RuntimeError(f"this actor asked Ray for {gpus} GPU(s) but torch sees no CUDA device")
+        return torch.device("cuda")
+    return torch.device("cpu")
+
+
+def local_device(gpus: float) -> torch.device:
+    """The local runtime's device for a part that asks for `gpus`: cuda where torch sees one, else the CPU (a
+    GPU preset still runs on a laptop, more slowly)."""
+    return torch.device("cuda") if gpus > 0 and torch.cuda.is_available() else torch.device("cpu")

@@ -44,6 +44,9 @@ class LearnerConfig(StrictModel):
         "(None: off): a spike in one block (e.g. a UNet's up-blocks) is held back without shrinking the others' "
         "steps; needs zero_stage 0, where the gradients are on the parameters")
     zero_stage: int = Field(0, ge=0, le=3)
+    fused_adam: bool = Field(False, description="DeepSpeed's fused AdamW kernel (CUDA only; compiled with nvcc on "
+                             "first use) instead of torch's AdamW: one kernel for every tensor's update on a GPU; "
+                             "off by default so that no op is compiled and CPU runs work")
     inner_epochs: int = Field(2, ge=1)
     micro_batch_size: int = Field(32, ge=1, description="samples per forward/backward (memory)")
     optim_batch_size: int | None = Field(

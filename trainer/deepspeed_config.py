@@ -8,7 +8,8 @@ from steadyrl.trainer.config import LearnerConfig
 
 def deepspeed_config(cfg: LearnerConfig, client_optimizer: bool) -> dict[str, Any]:
     """DeepSpeed JSON config. Without a `client_optimizer` (trainer/builders.py `build_optimizer` returned None)
-    DeepSpeed builds AdamW from the `optimizer` section (`torch_adam` avoids compiling the fused Adam op); with
+    DeepSpeed builds AdamW from the `optimizer` section (torch's AdamW, or with `learner.fused_adam` DeepSpeed's fused
+    CUDA kernel, compiled on first use); with
     one (DualMomentum) there is no optimizer section. The learner marks the gradient-accumulation boundary itself
     (last piece of each optimisation step)."""
     out = {
@@ -18,7 +19,7 @@ def deepspeed_config(cfg: LearnerConfig, client_optimizer: bool) -> dict[str, An
         "optimizer": {
             "type": "AdamW",
             "params": {"lr": cfg.lr, "betas": list(cfg.betas), "weight_decay": cfg.weight_decay,
-                       "torch_adam": True},
+                       "torch_adam": not cfg.fused_adam},
         },
         "zero_optimization": {"stage": cfg.zero_stage},
         "steps_per_print": 10**9,
@@ -37,3 +38,14 @@ def communication_backend(name: str) -> str:
     from deepspeed.accelerator import get_accelerator
 
     return "nccl" if get_accelerator().device_name() == "cuda" else "gloo"
+
+
+def check_fused_adam(cfg: LearnerConfig) -> None:
+    """`learner.fused_adam` needs DeepSpeed's accelerator to be cuda: its kernel has no CPU build."""
+    if not cfg.fused_adam:
+        return
+    from deepspeed.accelerator import get_accelerator
+
+    if get_accelerator().device_name() != "cuda":
+        raise ValueError(f"learner.fused_adam=true needs a CUDA device; DeepSpeed's accelerator here is "
+                         f"{get_accelerator().device_name()!r}: set learner.fused_adam=false on the CPU")

@@ -39,7 +39,7 @@ from steadyrl.trainer.config import LearnerConfig
 from steadyrl.trainer.context import DifferentiableReward, UpdateContext
 from steadyrl.trainer.controls import UpdateControls
 from steadyrl.trainer.reward_stats import weighting_panel
-from steadyrl.trainer.deepspeed_config import communication_backend, deepspeed_config
+from steadyrl.trainer.deepspeed_config import check_fused_adam, communication_backend, deepspeed_config
 from steadyrl.trainer.distributed import (gather_pieces, group_shares, micro_batch_count, reduce_metrics, split_into,
                                           world)
 from steadyrl.trainer.health import (advantage_panel, clip_group_gradients, drop_nonfinite_advantages,
@@ -109,6 +109,7 @@ class DeepSpeedLearner:
         if self.world_size != learner_cfg.ranks:
             raise ValueError(f"learner.ranks={learner_cfg.ranks} but this process group has {self.world_size} "
                              "rank(s) (WORLD_SIZE)")
+        check_fused_adam(learner_cfg)
         params = [p for p in policy.parameters() if p.requires_grad]
         self.engine, _, _, _ = deepspeed.initialize(
             model=policy, model_parameters=params, optimizer=optimizer,
