@@ -29,6 +29,15 @@ def _fail(message: str) -> None:
     raise typer.Exit(2)
 
 
+def _require_models(testbed, rewards_only: bool = False):
+    """`testbed`, once the models it loads are to be had (else the error naming each, before anything is built)."""
+    try:
+        testbed.require_models(rewards_only)
+    except ConfigError as err:
+        _fail(str(err))
+    return testbed
+
+
 def _split_args(args: list[str]) -> tuple[Optional[str], list[str]]:
     """First argument is a config file unless it looks like key=value."""
     if args and "=" not in args[0]:
@@ -96,7 +105,7 @@ def pretrain(args: list[str] = typer.Argument(None, help="[CONFIG] key.sub=value
     from steadyrl.services.testbeds import build_testbed
 
     _, _, cfg = _load(args or [])
-    testbed = build_testbed(cfg)
+    testbed = _require_models(build_testbed(cfg))
     console.print(f"{testbed.name} base model: {testbed.base_weights()}")
     testbed.prepare_rewards(console)
 
@@ -130,7 +139,7 @@ def serve_reward(
         auth = s.token_sha256() is not None
     except ValueError as err:
         _fail(str(err))
-    testbed = build_testbed(cfg)
+    testbed = _require_models(build_testbed(cfg), rewards_only=True)
     testbed.prepare_rewards()
     init_ray(cfg.ray.address, cfg.ray.num_cpus, cfg.ray.local_network, cfg.ray.worker_niceness)
     _, bound = start_serve(s)

@@ -360,6 +360,7 @@ def train(config: str | Path | None = None, overrides: list[str] | tuple[str, ..
         run_dir = Path(resume_dir)
         saved = load_config(run_dir / "config.yaml")
         cfg = load_config(run_dir / "config.yaml", overrides)
+        build_testbed(cfg).require_models()  # a model not to be had: a ConfigError before Ray or a resume record
         step = int(latest_state(run_dir)[1]["step"])
         changes = check_resume(saved, cfg, step, allow_changes)
         record_resume(run_dir, step, changes)
@@ -367,4 +368,5 @@ def train(config: str | Path | None = None, overrides: list[str] | tuple[str, ..
             write_text_atomically(run_dir / "config.yaml", dump_config(cfg))
         return Controller(cfg, run_dir, console, resume=True).run()
     cfg = load_config(config, overrides)
+    build_testbed(cfg).require_models()  # before Ray starts and the run folder exists
     return Controller(cfg, new_run_dir(cfg), console).run()

@@ -305,6 +305,12 @@ class ArithTestbed(Testbed):
     def prepare_rewards(self, console=None) -> None:
         """A verifier needs nothing built."""
 
+    def reward_model_sources(self) -> list[tuple[str, str]]:
+        """`pretrained`, when set: the verifier decodes with its tokenizer (and the policy is that model; the
+        arith_ar and arith_bd testbeds source theirs the same way)."""
+        a = self.settings
+        return [] if a.pretrained is None else [("testbed.pretrained", a.pretrained)]
+
     def reward_spec(self) -> EnsembleSpec:
         """The task's verifier (partial credit if asked) trains; an exact-match verifier watches, and its 0/1
         verdict is the held-out accuracy."""

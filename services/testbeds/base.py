@@ -55,6 +55,27 @@ class Testbed(ABC):
         fails here with its name rather than in an actor."""
         self.build_sampler()
 
+    def model_sources(self) -> list[tuple[str, str]]:
+        """(setting, hub id or directory) of every model a run loads (`require_models` checks them): the reward
+        models' by default; a testbed adds its policy's."""
+        return self.reward_model_sources()
+
+    def reward_model_sources(self) -> list[tuple[str, str]]:
+        """The reward models' share of `model_sources` (all that `steadyrl serve-reward` loads); none by default."""
+        return []
+
+    def require_models(self, rewards_only: bool = False) -> None:
+        """A `ConfigError` naming each model (with `rewards_only`: each reward model) that is neither a local
+        directory nor in the hub cache (online: nor served by the hub), raised before Ray starts and before a run
+        folder exists; otherwise a loader fails later, in an actor, with a long traceback."""
+        from steadyrl.rollout.model_sources import ModelsUnavailable, check_model_sources
+        from steadyrl.services.config import ConfigError
+
+        try:
+            check_model_sources(self.reward_model_sources() if rewards_only else self.model_sources())
+        except ModelsUnavailable as err:
+            raise ConfigError(str(err)) from None
+
     @abstractmethod
     def build_sampler(self):
         """The sampler of `cfg.sampler`, ready for this testbed's policy."""

@@ -211,6 +211,16 @@ class TextToImageTestbed(Testbed):
     def reward_spec(self) -> EnsembleSpec:
         return self.settings.reward.ensemble_spec()
 
+    def model_sources(self) -> list[tuple[str, str]]:
+        """The pipeline, then the reward models."""
+        return [("testbed.pretrained", self.settings.pretrained), *self.reward_model_sources()]
+
+    def reward_model_sources(self) -> list[tuple[str, str]]:
+        """Each CLIP-based reward model's `model` and `processor` (hub ids or directories; None: none)."""
+        return [(f"testbed.reward.models[{i}].{field}", getattr(spec, field))
+                for i, spec in enumerate(self.settings.reward.models) for field in ("model", "processor")
+                if isinstance(getattr(spec, field, None), str)]
+
     @property
     def gold_name(self) -> str | None:
         """The first monitor-only reward: the held-out figure (None: the training reward itself)."""
