@@ -63,10 +63,11 @@ def tiny_llada_overrides(root: Path) -> list[str]:
 
 
 def samples_per_step(cfg) -> int:
-    """Samples one RL step draws: prompts per step x samples per prompt (text-to-image or dLLM testbed)."""
-    tb = cfg.testbed
-    prompts = tb.prompts.prompts_per_step if hasattr(tb, "prompts") else tb.prompts_per_step
-    return prompts * cfg.sampler.group_size
+    """Samples one RL step draws: the testbed's prompts of a step (one worker) x samples per prompt."""
+    from steadyrl.services.testbeds import build_testbed
+
+    prompts, _ = build_testbed(cfg).train_prompts(0, 1, 1)
+    return len(prompts) * cfg.sampler.group_size
 
 
 def check(config: str | None, overrides: list[str], steps: int) -> dict[str, Any]:

@@ -67,6 +67,10 @@ CASES = {c.name: c for c in [
 ]}
 CHECKS = {"fused_adam": "DeepSpeed's FusedAdam (compiled with nvcc) against torch.optim.AdamW, 5 steps",
           "nccl": "a single-rank NCCL process group: all-reduce, and the weight broadcast's flat buffers"}
+#: a first step small enough for a CPU reference in seconds (the training run keeps the case's own sizes)
+PARITY_SIZES = {**{n: ["testbed.prompts.prompts_per_step=2", "sampler.group_size=4"] for n in ("sd15", "sdxl", "sd3",
+                                                                                             "flux")},
+                "digits": ["sampler.group_size=4"]}
 FUSED_ADAM_TOL = 1e-5  # max |fused - torch| / max(1, |torch|) over the parameters after 5 steps (float32)
 
 
@@ -82,9 +86,8 @@ def case_overrides(case: Case, work: Path, dtype: str) -> list[str]:
                 if case.tiny else [])
         saved.write_text(json.dumps(tiny))
     tiny = json.loads(saved.read_text())
-    dtype_setting = [f"testbed.dtype={dtype}"] if case.tiny else []
-    samples = samples_per_step(case, tiny)
-    return [*tiny, *dtype_setting, *one_update_overrides(samples)]
+    small = [*tiny, *([f"testbed.dtype={dtype}"] if case.tiny else []), *PARITY_SIZES.get(case.name, [])]
+    return [*small, *one_update_overrides(samples_per_step(case, small))]
 
 
 def samples_per_step(case: Case, overrides: list[str]) -> int:
@@ -228,7 +231,8 @@ def spawn(phase: str, case: str | None, work: Path, timeout_s: float, steps: int
     """Run one phase in a fresh Python under `timeout_s`; a crash, a hang or a missing result is its result."""
     work.mkdir(parents=True, exist_ok=True)
     log = work / f"{phase}.log"
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": str(threads)}
+    env = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", **os.environ,  # as `steadyrl` itself runs
+           "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": str(threads)}
     if phase == "cpu":  # the CPU reference never touches the GPU, and DeepSpeed picks its CPU accelerator
         env.update(CUDA_VISIBLE_DEVICES="", DS_ACCELERATOR="cpu")
     else:

@@ -72,3 +72,13 @@ def test_fused_adam_without_a_learner_gpu_is_refused_when_the_config_loads():
     assert deepspeed_config(cfg.learner, client_optimizer=False)["optimizer"]["params"]["torch_adam"] is False
     assert deepspeed_config(load_config(ROOT / "configs/digits-grpo.yaml").learner, False)["optimizer"]["params"][
         "torch_adam"] is True
+
+
+@pytest.mark.slow
+def test_gpu_check_runs_a_tiny_pipeline_where_ray_cannot_be_imported(tmp_path, without_ray):
+    out = tmp_path / "gpu_check.json"
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks/gpu_check.py"), "--tiny", "sd3", "--steps", "2",
+                           "--out", str(out)], env=without_ray, cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    [result] = json.loads(out.read_text())
+    assert result["device"] == "cpu" and result["steps"] == 2 and result["finite"] and result["samples_per_s"] > 0
