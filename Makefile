@@ -8,7 +8,7 @@ PY          := $(VENV)/bin/python
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 
-.PHONY: run test install install-test pretrain bench clean vllm-venv test-vllm
+.PHONY: run test install install-test pretrain bench clean vllm-venv test-vllm gpu-wheels gpu-wheels-check
 
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
@@ -59,6 +59,24 @@ pretrain: install
 
 bench: install
 	$(PY) benchmarks/step_time.py
+
+# Wheels for an air-gapped GPU node (docs/deployment.md): what `steadyrl train --local` needs beyond what the node
+# has (GPU_NODE_HAS and their dependencies), pinned to this venv's versions, for CPython GPU_PYTHON on manylinux
+# x86_64, plus steadyrl itself; at most GPU_WHEEL_LIMIT_MIB in all. GPU_NODE_LACKS: never counted as on the node,
+# even where this venv's GPU_NODE_HAS require them (typer here requires pydantic; the node's does not).
+GPU_WHEELS          ?= .gpu-wheels
+GPU_PYTHON          ?= 3.12
+GPU_WHEEL_LIMIT_MIB ?= 64
+GPU_NODE_HAS        ?= torch transformers peft accelerate safetensors rich typer matplotlib tensorboard
+GPU_NODE_LACKS      ?= ray diffusers deepspeed pydantic fastapi math-verify
+
+gpu-wheels: install
+	$(PY) benchmarks/gpu_wheels.py --out "$(GPU_WHEELS)" --python $(GPU_PYTHON) --limit-mib $(GPU_WHEEL_LIMIT_MIB) \
+		--node-has $(GPU_NODE_HAS) --node-lacks $(GPU_NODE_LACKS)
+
+# the check the node runs before installing (standard library only: any python3)
+gpu-wheels-check:
+	$(PYTHON) benchmarks/gpu_wheels.py --check "$(GPU_WHEELS)"
 
 clean:
 	rm -rf runs .pytest_cache
