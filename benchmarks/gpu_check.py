@@ -95,7 +95,7 @@ def check(config: str | None, overrides: list[str], steps: int) -> dict[str, Any
         "first_step_s": rows[0]["step_s"], "step_s": step_s, "samples_per_s": samples / step_s,
         "peak_gpu_memory_gb": torch.cuda.max_memory_allocated() / 2**30 if gpu else None,
         "sync_bytes": rows[-1]["sync_bytes"], "train_reward": [r["proxy"] for r in rows],
-        "dtype": cfg.testbed.dtype, "objective": cfg.objective.name,
+        "dtype": getattr(cfg.testbed, "dtype", "float32"), "objective": cfg.objective.name,
         "recompute_logp_absdiff_max": max(r["logp_absdiff_max"] for r in rows),
         "finite": out["stopped_at"] is None, "wall_s": wall,
     }

@@ -82,6 +82,7 @@ def case_overrides(case: Case, work: Path, dtype: str) -> list[str]:
 
     saved = work / "overrides.json"
     if not saved.exists():
+        work.mkdir(parents=True, exist_ok=True)
         tiny = (tiny_llada_overrides(work) if case.tiny == "llada" else tiny_overrides(case.tiny, work)
                 if case.tiny else [])
         saved.write_text(json.dumps(tiny))
