@@ -149,6 +149,10 @@ def run_device_phase(case: Case, work: Path, steps: int, device: str = "cuda") -
 def run_fused_adam() -> dict[str, Any]:
     """FusedAdam (AdamW mode) and torch's AdamW from the same parameters and gradients, 5 steps."""
     import torch
+
+    from steadyrl.rollout.cache import torch_extensions_dir
+
+    os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(torch_extensions_dir()))  # where the learner finds it compiled
     from deepspeed.ops.adam import FusedAdam
 
     gen = torch.Generator().manual_seed(0)
@@ -228,8 +232,13 @@ class Phase:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
-def spawn(phase: str, case: str | None, work: Path, timeout_s: float, steps: int, threads: int) -> Phase:
-    """Run one phase in a fresh Python under `timeout_s`; a crash, a hang or a missing result is its result."""
+def spawn(phase: str, case: str | None, work: Path, timeout_s: float, steps: int, threads: int,
+          deadline: float = float("inf")) -> Phase:
+    """Run one phase in a fresh Python under `timeout_s`, ending by `deadline` (time.monotonic()) at the latest;
+    a crash, a hang or a missing result is its result."""
+    timeout_s = min(timeout_s, deadline - time.monotonic())
+    if timeout_s < 10:
+        return Phase({"status": "error", "error": "not started: the run's --budget was spent"}, work, 0.0)
     work.mkdir(parents=True, exist_ok=True)
     log = work / f"{phase}.log"
     env = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", **os.environ,  # as `steadyrl` itself runs
@@ -294,13 +303,15 @@ def case_status(cpu: dict[str, Any], gpu: dict[str, Any] | None) -> tuple[str, s
 
 
 def smoke(cases: list[str], checks: list[str], out: Path, work: Path, steps: int, timeout_s: float,
-          jobs: int) -> dict[str, Any]:
-    """Every case and check; the JSON written to `out` (also after each case, so a killed run keeps its part)."""
+          jobs: int, budget_s: float = float("inf")) -> dict[str, Any]:
+    """Every case and check, all ended within `budget_s`; the JSON written to `out` (also after each case, so a
+    killed run keeps its part)."""
+    deadline = time.monotonic() + budget_s
     env = environment()
     gpu = env["cuda"]
     threads = max(1, (os.cpu_count() or 1) // max(1, jobs))
     report: dict[str, Any] = {**env, "started": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-                              "steps": steps, "case_timeout_s": timeout_s, "cases": []}
+                              "steps": steps, "case_timeout_s": timeout_s, "budget_s": budget_s, "cases": []}
     t0 = time.perf_counter()
 
     def save() -> None:
@@ -315,17 +326,18 @@ def smoke(cases: list[str], checks: list[str], out: Path, work: Path, steps: int
         if not gpu:
             report["cases"].append({"case": name, "status": "skipped", "what": CHECKS[name], "reason": "no CUDA device"})
         else:
-            ph = spawn(name, None, work / name, timeout_s, steps, threads)
+            ph = spawn(name, None, work / name, timeout_s, steps, threads, deadline)
             ok = ph.result["status"] == "ran" and ph.result["ok"]
             report["cases"].append({"case": name, "what": CHECKS[name], "status": "passed" if ok else "failed",
                                     "reason": "" if ok else ph.result.get("error", "the check did not hold"),
                                     "seconds": ph.seconds, **ph.result})
         save()
     with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
-        refs: dict[str, Future] = {n: pool.submit(spawn, "cpu", n, work / n, timeout_s, steps, threads) for n in cases}
+        refs: dict[str, Future] = {n: pool.submit(spawn, "cpu", n, work / n, timeout_s, steps, threads, deadline)
+                                   for n in cases}
         for name in cases:  # GPU phases one at a time, each as soon as its CPU reference is there
             cpu = refs[name].result()
-            gpu_phase = spawn("cuda", name, work / name, timeout_s, steps, threads) \
+            gpu_phase = spawn("cuda", name, work / name, timeout_s, steps, threads, deadline) \
                 if gpu and cpu.result["status"] == "ran" else None
             status, reason = case_status(cpu.result, gpu_phase.result if gpu_phase else None)
             row = {"case": name, "what": CASES[name].what, "status": status, "reason": reason,
@@ -371,6 +383,9 @@ def main() -> None:
                         help=f"comma-separated, of {', '.join([*CHECKS, *CASES])}")
     parser.add_argument("--steps", type=int, default=3, help="steps of each case's training run on the GPU")
     parser.add_argument("--case-timeout", type=float, default=240.0, help="seconds each phase process may take")
+    parser.add_argument("--budget", type=float, default=540.0, help="seconds the whole run may take: a phase "
+                        "ends by then, and one that cannot start in time fails saying so (default 540: one "
+                        "10-minute command with time to install)")
     parser.add_argument("--jobs", type=int, default=max(1, min(4, (os.cpu_count() or 1) // 4)),
                         help="CPU references built at once (they run beside the GPU phases)")
     parser.add_argument("--phase", help=argparse.SUPPRESS)
@@ -384,7 +399,7 @@ def main() -> None:
         parser.error(f"--cases: unknown {unknown}; choose from {[*CHECKS, *CASES]}")
     work = args.work or args.out.parent / (args.out.stem + "_work")
     report = smoke([c for c in CASES if c in chosen], [c for c in CHECKS if c in chosen], args.out, work, args.steps,
-                   args.case_timeout, args.jobs)
+                   args.case_timeout, args.jobs, args.budget)
     from rich.console import Console
 
     console = Console(width=max(120, Console().width))

@@ -102,3 +102,12 @@ def test_the_smoke_script_runs_to_its_end_on_cpu_from_the_wheel_set_in_a_venv_wi
         assert all(ref[d]["alarm"] == 0.0 and ref[d]["sync_equal"] for d in gpu_smoke.CASES[name].dtypes), (name, ref)
     assert report["summary"] == {"passed": 0, "failed": 0, "skipped": len(rows)}
     assert f"0 passed, 0 failed, {len(rows)} skipped" in done.stdout
+
+
+def test_a_phase_that_cannot_start_within_the_budget_fails_saying_so(tmp_path):
+    import time
+
+    phase = gpu_smoke.spawn("cpu", "sd3", tmp_path / "sd3", 240.0, 1, 1, deadline=time.monotonic() + 5)
+    assert phase.result == {"status": "error", "error": "not started: the run's --budget was spent"}
+    assert gpu_smoke.case_status(phase.result, None) == ("failed", "CPU reference: not started: the run's --budget "
+                                                                   "was spent")
