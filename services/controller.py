@@ -82,6 +82,14 @@ def require_ray(what: str, instead: str = "train in this one process without Ray
                           f"(`pip install 'ray[serve]'`){', or ' + instead if instead else ''}")
 
 
+def check_can_start(cfg: TrainConfig) -> None:
+    """What is known before anything starts or is written, as a ConfigError: every model the run loads is to be
+    had (a local directory or the hub cache), and Ray is installed where the runtime is Ray's."""
+    build_testbed(cfg).require_models()
+    if cfg.run.runtime == "ray":
+        require_ray("run.runtime=ray")
+
+
 def build_runtime(cfg: TrainConfig, testbed, run_dir: Path, console: Console):
     """The runtime `run.runtime` names: "ray" (actors, Serve, DeepSpeed ranks) or "local" (one process)."""
     if cfg.run.runtime == "local":
@@ -360,7 +368,7 @@ def train(config: str | Path | None = None, overrides: list[str] | tuple[str, ..
         run_dir = Path(resume_dir)
         saved = load_config(run_dir / "config.yaml")
         cfg = load_config(run_dir / "config.yaml", overrides)
-        build_testbed(cfg).require_models()  # a model not to be had: a ConfigError before Ray or a resume record
+        check_can_start(cfg)  # before Ray starts and a resume is recorded
         step = int(latest_state(run_dir)[1]["step"])
         changes = check_resume(saved, cfg, step, allow_changes)
         record_resume(run_dir, step, changes)
@@ -368,5 +376,5 @@ def train(config: str | Path | None = None, overrides: list[str] | tuple[str, ..
             write_text_atomically(run_dir / "config.yaml", dump_config(cfg))
         return Controller(cfg, run_dir, console, resume=True).run()
     cfg = load_config(config, overrides)
-    build_testbed(cfg).require_models()  # before Ray starts and the run folder exists
+    check_can_start(cfg)  # before Ray starts and the run folder exists
     return Controller(cfg, new_run_dir(cfg), console).run()

@@ -82,3 +82,16 @@ def test_gpu_check_runs_a_tiny_pipeline_where_ray_cannot_be_imported(tmp_path, w
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     [result] = json.loads(out.read_text())
     assert result["device"] == "cpu" and result["steps"] == 2 and result["finite"] and result["samples_per_s"] > 0
+
+
+def test_resuming_a_ray_run_without_ray_records_nothing(tmp_path, without_ray):
+    run = tmp_path / "run"
+    run.mkdir()
+    from steadyrl.services.config import dump_config, load_config
+
+    (run / "config.yaml").write_text(dump_config(load_config(ROOT / "configs/digits-grpo.yaml",
+                                                             [f"run.run_dir={run}"])))
+    out = subprocess.run([*STEADYRL, "train", "--resume", str(run)], env=without_ray, cwd=tmp_path,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 2 and "run.runtime=ray needs Ray" in out.stdout + out.stderr
+    assert sorted(p.name for p in run.iterdir()) == ["config.yaml"]  # no resumes.jsonl, no checkpoint touched
