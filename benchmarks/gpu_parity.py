@@ -66,6 +66,9 @@ def first_step(cfg: Any, device: str, reference: Any | None = None) -> dict[str,
         olds, metrics = recompute_old(trainer.context(), [b.to(device=trainer.device)], 0, cfg.learner)
         return olds[0].logp.detach().cpu(), metrics
 
+    # two recomputes on both devices, even where `batch` is `own` (the CPU): each draws from the learner's generator
+    # (the KL monitor's random step per sample), which must stand where the other device's stands when the update
+    # draws its own
     _, own_metrics = recompute(own)
     recomputed, _ = recompute(batch)
     metrics = learner.update([batch])

@@ -28,7 +28,7 @@ import subprocess
 import sys
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -224,12 +224,11 @@ def phase_main(args: argparse.Namespace) -> None:
 # ------------------------------------------------------------------ the orchestrator
 @dataclass
 class Phase:
-    """A phase process's outcome: its result line (or why there is none), its log, its time."""
+    """A phase process's outcome: its result line (or why there is none; a failure carries its log's tail), and its
+    time."""
 
     result: dict[str, Any]
-    log: Path
     seconds: float
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 def spawn(phase: str, case: str | None, work: Path, timeout_s: float, steps: int, threads: int,
@@ -238,7 +237,7 @@ def spawn(phase: str, case: str | None, work: Path, timeout_s: float, steps: int
     a crash, a hang or a missing result is its result."""
     timeout_s = min(timeout_s, deadline - time.monotonic())
     if timeout_s < 10:
-        return Phase({"status": "error", "error": "not started: the run's --budget was spent"}, work, 0.0)
+        return Phase({"status": "error", "error": "not started: the run's --budget was spent"}, 0.0)
     work.mkdir(parents=True, exist_ok=True)
     log = work / f"{phase}.log"
     env = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", **os.environ,  # as `steadyrl` itself runs
@@ -267,7 +266,7 @@ def spawn(phase: str, case: str | None, work: Path, timeout_s: float, steps: int
         result = {"status": "error", "error": f"the process exited with status {code} without a result"}
     if result["status"] == "error":
         result["log_tail"] = log.read_text(errors="replace").splitlines()[-25:]
-    return Phase(result, log, time.perf_counter() - t0)
+    return Phase(result, time.perf_counter() - t0)
 
 
 def environment() -> dict[str, Any]:

@@ -96,8 +96,7 @@ def build_runtime(cfg: TrainConfig, testbed, run_dir: Path, console: Console):
         from steadyrl.services.local import LocalRuntime
 
         return LocalRuntime(cfg, testbed, run_dir, console)
-    require_ray("run.runtime=ray")
-    from steadyrl.services.ray_runtime import RayRuntime
+    from steadyrl.services.ray_runtime import RayRuntime  # `check_can_start` made sure Ray is there
 
     return RayRuntime(cfg, testbed, run_dir, console)
 
