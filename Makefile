@@ -67,7 +67,7 @@ bench: install
 GPU_WHEELS          ?= .gpu-wheels
 GPU_PYTHON          ?= 3.12
 GPU_WHEEL_LIMIT_MIB ?= 64
-GPU_NODE_HAS        ?= torch transformers peft accelerate safetensors rich typer matplotlib tensorboard
+GPU_NODE_HAS        ?= torch transformers peft accelerate safetensors rich typer matplotlib tensorboard scipy scikit-learn
 GPU_NODE_LACKS      ?= ray diffusers deepspeed pydantic fastapi math-verify
 
 gpu-wheels: install

@@ -73,7 +73,7 @@ def first_step(cfg: Any, device: str, reference: Any | None = None) -> dict[str,
     recomputed, _ = recompute(batch)
     metrics = learner.update([batch])
     t0 = time.perf_counter()
-    weights = learner.weights()
+    weights = learner.sampling_weights()
     rollouts.load(1, weights)
     held = trainable_state(rollouts.policy)
     sync_s = time.perf_counter() - t0

@@ -151,8 +151,10 @@ def run_fused_adam() -> dict[str, Any]:
     import torch
 
     from steadyrl.rollout.cache import torch_extensions_dir
+    from steadyrl.trainer.deepspeed_config import fused_adam_build_env
 
     os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(torch_extensions_dir()))  # where the learner finds it compiled
+    os.environ.update(fused_adam_build_env(os.environ))  # as the learner builds it
     from deepspeed.ops.adam import FusedAdam
 
     gen = torch.Generator().manual_seed(0)
@@ -327,9 +329,10 @@ def smoke(cases: list[str], checks: list[str], out: Path, work: Path, steps: int
         else:
             ph = spawn(name, None, work / name, timeout_s, steps, threads, deadline)
             ok = ph.result["status"] == "ran" and ph.result["ok"]
-            report["cases"].append({"case": name, "what": CHECKS[name], "status": "passed" if ok else "failed",
+            report["cases"].append({**ph.result, "case": name, "what": CHECKS[name],  # its "status" is the phase's
+                                    "status": "passed" if ok else "failed",
                                     "reason": "" if ok else ph.result.get("error", "the check did not hold"),
-                                    "seconds": ph.seconds, **ph.result})
+                                    "seconds": ph.seconds})
         save()
     with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
         refs: dict[str, Future] = {n: pool.submit(spawn, "cpu", n, work / n, timeout_s, steps, threads, deadline)

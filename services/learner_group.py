@@ -53,7 +53,7 @@ class LearnerActor(LearnerRank):
 
     def broadcast_weights(self) -> int:
         """Every rank gathers (ZeRO-3 needs all); rank 0 broadcasts to the rollout workers. Returns bytes sent."""
-        weights = self.learner.weights()
+        weights = self.learner.sampling_weights()
         return self.weight_group.broadcast(weights) if self.rank == 0 else 0
 
 
@@ -107,10 +107,10 @@ class LearnerGroup:
         """One update on the workers' batches; every rank's metrics, rank 0's first."""
         return self._all([a.update.remote(*batch_refs, controls=controls) for a in self.actors])
 
-    def weights(self) -> ray.ObjectRef:
-        """Rank 0's trained tensors, left in the object store (under ZeRO-3 every rank takes part in the
+    def sampling_weights(self) -> ray.ObjectRef:
+        """Rank 0's tensors to sample with (`Learner.sampling_weights`), left in the object store (under ZeRO-3 every rank takes part in the
         gather); waited for, so a learner that dies here is named, but not fetched."""
-        refs = [a.weights.remote() for a in self.gathering]
+        refs = [a.sampling_weights.remote() for a in self.gathering]
         wait_all([(self._name(r), ref) for r, ref in enumerate(refs)], self.timeout_s, check=False)
         return refs[0]
 

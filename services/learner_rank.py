@@ -36,8 +36,9 @@ class LearnerRank:
         metrics["timing_s/update"] = time.perf_counter() - t0
         return metrics
 
-    def weights(self) -> dict[str, torch.Tensor]:
-        return self.learner.weights()
+    def sampling_weights(self) -> dict[str, torch.Tensor]:
+        """What the rollout workers sample with (`Learner.sampling_weights`)."""
+        return self.learner.sampling_weights()
 
     def save(self, directory: str) -> None:
         self.learner.save(Path(directory))

@@ -67,8 +67,8 @@ class LocalLearner:
     def update(self, batches: list[Any], controls: UpdateControls | None = None) -> dict[str, float]:
         return self.rank.update(*batches, controls=controls)
 
-    def weights(self) -> dict[str, Tensor]:
-        return self.rank.weights()
+    def sampling_weights(self) -> dict[str, Tensor]:
+        return self.rank.sampling_weights()
 
     def save(self, directory: str) -> None:
         self.rank.save(directory)
@@ -107,7 +107,7 @@ class LocalRolloutPool:
         """Nothing restarts in one process: the fault counters stay 0."""
 
     def publish(self, version: int) -> float:
-        weights = self.learner.weights()  # already a CPU copy: later updates do not change it
+        weights = self.learner.sampling_weights()  # a CPU copy: later updates do not change it
         self.current = (version, weights)
         return self.rollouts.load(version, weights)
 

@@ -100,13 +100,14 @@ class RolloutPool:
 
     # ------------------------------------------------------------------ weights
     def publish(self, version: int) -> float:
-        """Make the learner's current weights policy `version` on every worker; returns the slowest worker's
-        seconds to fetch (or receive) and load them. Under pipelining a worker loads them after the generation
-        under way."""
+        """Make the learner's weights to sample with (`Learner.sampling_weights`) policy `version` on every
+        worker; returns the slowest worker's seconds to fetch (or receive) and load them. Under pipelining a worker
+        loads them after the generation under way."""
         if self.cfg.ray.weight_sync == "collective":
             self.current = PolicyWeights(version)
             return self._broadcast(version)
-        self.current = PolicyWeights(version, self.learner.weights())  # a ref: the driver never fetches tensors
+        # a ref: the driver never fetches tensors
+        self.current = PolicyWeights(version, self.learner.sampling_weights())
         box = self.current.boxed()
         return max(self._on_workers(lambda w: w.set_weights.remote(version, box)))
 

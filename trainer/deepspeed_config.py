@@ -1,6 +1,7 @@
 """DeepSpeed's JSON config and collective backend for the learner's engine (deepspeed is imported lazily)."""
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from steadyrl.trainer.config import LearnerConfig
@@ -49,3 +50,22 @@ def check_fused_adam(cfg: LearnerConfig) -> None:
     if get_accelerator().device_name() != "cuda":
         raise ValueError(f"learner.fused_adam=true needs a CUDA device; DeepSpeed's accelerator here is "
                          f"{get_accelerator().device_name()!r}: set learner.fused_adam=false on the CPU")
+
+
+def jit_arch_list(value: str) -> str:
+    """`TORCH_CUDA_ARCH_LIST` as DeepSpeed's JIT builder reads it. DeepSpeed 0.19 sorts the entries as numbers
+    (`9.0` -> (9, 0)), so an architecture-specific suffix that PyTorch and nvcc accept (`9.0a`, `10.0f`, set on
+    Hopper and Blackwell images) stops its build with `invalid literal for int()`: the suffix is dropped (FusedAdam
+    uses no architecture-specific instruction), `+PTX` kept, separators made `;`."""
+    out = []
+    for entry in value.replace(" ", ";").split(";"):
+        arch, plus, ptx = entry.strip().partition("+")
+        if arch:
+            out.append(arch.rstrip("abcdefghijklmnopqrstuvwxyz") + plus + ptx)
+    return ";".join(dict.fromkeys(out))
+
+
+def fused_adam_build_env(environ: Mapping[str, str]) -> dict[str, str]:
+    """The environment updates DeepSpeed's FusedAdam build needs in this process (empty when none)."""
+    arch = environ.get("TORCH_CUDA_ARCH_LIST", "")
+    return {"TORCH_CUDA_ARCH_LIST": jit_arch_list(arch)} if arch.strip() else {}

@@ -6,6 +6,7 @@ out of the update.
     health/adv_p10|p50|p90, adv_std    the advantages' distribution (std: population)
     health/zero_std_group_frac         share of prompt groups whose training rewards are all equal: no signal
     health/nonfinite_adv_dropped       samples whose advantage was NaN or inf, dropped before the update
+    health/nonfinite_grad_steps_skipped optimiser steps skipped because the gradient was NaN or inf (trainer/learner.py)
     health/grad_norm_<group>           L2 norm of the unclipped gradient of each top-level module of the network
                                        (mean over the update's optimiser steps): which part of the model moves
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import os
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -39,7 +40,8 @@ from steadyrl.trainer.config import LearnerConfig
 from steadyrl.trainer.context import DifferentiableReward, UpdateContext
 from steadyrl.trainer.controls import UpdateControls
 from steadyrl.trainer.reward_stats import weighting_panel
-from steadyrl.trainer.deepspeed_config import check_fused_adam, communication_backend, deepspeed_config
+from steadyrl.trainer.deepspeed_config import (check_fused_adam, communication_backend, deepspeed_config,
+                                               fused_adam_build_env)
 from steadyrl.trainer.distributed import (gather_pieces, group_shares, micro_batch_count, reduce_metrics, split_into,
                                           world)
 from steadyrl.trainer.health import (advantage_panel, clip_group_gradients, drop_nonfinite_advantages,
@@ -110,6 +112,8 @@ class DeepSpeedLearner:
             raise ValueError(f"learner.ranks={learner_cfg.ranks} but this process group has {self.world_size} "
                              "rank(s) (WORLD_SIZE)")
         check_fused_adam(learner_cfg)
+        if learner_cfg.fused_adam:  # DeepSpeed compiles FusedAdam in this process, reading TORCH_CUDA_ARCH_LIST
+            os.environ.update(fused_adam_build_env(os.environ))
         params = [p for p in policy.parameters() if p.requires_grad]
         self.engine, _, _, _ = deepspeed.initialize(
             model=policy, model_parameters=params, optimizer=optimizer,
@@ -122,6 +126,7 @@ class DeepSpeedLearner:
         self._pre_clip_norm: float | None = None
         self._group_norms: list[dict[str, float]] = []  # per optimiser step of the current update (health panel)
         self._groups_clipped = 0  # module gradients clipped by learner.group_grad_clip in the current update
+        self._steps_skipped = 0  # optimiser steps of the current update skipped for a non-finite gradient
         self._module_scales: dict[str, float] = {}
         frozen = [reference] + ([reward_fn] if isinstance(reward_fn, nn.Module) else [])
         self.splitter = PieceSplitter(learner_cfg.activation_memory_cap_mb, [policy, *frozen],  # out-of-memory splits
@@ -225,7 +230,7 @@ class DeepSpeedLearner:
         groups = [list(range(i, min(i + k, len(micro)))) for i in range(0, len(micro), k)]
         sums = MetricSums()
         grad_norms: list[float] = []
-        self._group_norms, self._groups_clipped = [], 0
+        self._group_norms, self._groups_clipped, self._steps_skipped = [], 0, 0
         self.splitter.start_update()
         self.engine.train()
         for _ in range(self.cfg.inner_epochs):
@@ -245,6 +250,7 @@ class DeepSpeedLearner:
             "policy/grad_norm": sum(grad_norms) / max(1, len(grad_norms)),
             **mean_group_norms(self._group_norms),
             "health/groups_clipped": float(self._groups_clipped),
+            "health/nonfinite_grad_steps_skipped": float(self._steps_skipped),
             "policy/adv_abs_mean": float(batch.advantages.abs().mean()) if batch.advantages is not None else 0.0,
             "policy/optimizer_steps": float(len(groups) * self.cfg.inner_epochs),
             "reward/nonfinite_skipped": float(skipped),
@@ -312,6 +318,15 @@ class DeepSpeedLearner:
             self.objective.step_done()
             self.objective.regulate_gradients(self.network)  # the objective's own (GRPO-Guard's per-block guard)
             self._pre_clip_norm = self._grad_norm()
+            if self._pre_clip_norm is not None and not math.isfinite(self._pre_clip_norm):
+                # a NaN or inf gradient would write NaN into every weight it reaches, and the rollouts would
+                # sample from them: the step is skipped (as AMP's GradScaler skips an overflowing one) and counted;
+                # the loss it came from stays in the metrics, where the collapse watch sees it. The norm is of the
+                # all-reduced gradient, so every rank skips alike.
+                self.engine.zero_grad()
+                self._steps_skipped += 1
+                log.warning("optimiser step skipped: the gradient's norm is %s", self._pre_clip_norm)
+                return
             norms = group_grad_norms(self.network)
             self._group_norms.append(norms)
             if self.cfg.group_grad_clip is not None:  # per module, before DeepSpeed's global clip in step()
@@ -349,6 +364,16 @@ class DeepSpeedLearner:
         rollout workers and to checkpoint. Under ZeRO-3 a collective: every rank must call it."""
         with self.gathered():
             return {k: v.detach().to("cpu", copy=True) for k, v in trainable_state(self.policy).items()}
+
+    def sampling_weights(self) -> dict[str, Tensor]:
+        """A CPU copy of what the rollout workers sample with: the objective's sampling policy where it keeps one
+        (DiffusionNFT's old copy, `Objective.sampling_state`), else the trained tensors (`weights`). Keyed alike,
+        so a worker loads either. Under ZeRO-3 a collective: every rank must call it."""
+        with self.gathered():
+            state = self.objective.sampling_state(self.policy)
+            if state is None:
+                state = trainable_state(self.policy)
+            return {k: v.detach().to("cpu", copy=True) for k, v in state.items()}
 
     def save(self, directory: Path) -> None:
         """Engine (trained tensors + optimiser; a LoRA policy's frozen base is not written; ZeRO: every rank its

@@ -236,6 +236,11 @@ class Objective(ABC):
         """After each update: reference resets/EMA, adaptive constants. Returns extra metrics."""
         return {}
 
+    def sampling_state(self, policy: nn.Module) -> dict[str, Tensor] | None:
+        """The trained tensors the rollouts sample with where the objective keeps its own sampling policy
+        (DiffusionNFT's old copy, keyed as `policy`'s trained tensors); None: the policy being trained."""
+        return None
+
     def state_dict(self) -> dict[str, Tensor]:
         return {k: v.clone() for k, v in self.state.items()}
 
