@@ -1,6 +1,7 @@
 """DiffusionNFT (trainer/objectives/diffusion_nft.py, trainer/terms.py `ForwardProcessTerms`): the advantage and
 optimality against numpy, both losses and their gradients against a re-computation written here, the timestep
-draw, the old policy's EMA and checkpoint, the sampler refusals, and a short learning run on the real learner."""
+draw, the old policy's EMA against the authors' loop (decay per optimiser step) and its checkpoint, the sampler
+refusals, and a short learning run on the real learner."""
 from __future__ import annotations
 
 import copy
@@ -155,16 +156,17 @@ class Hooks:
 def test_old_policy_moves_by_the_authors_decay_schedule_and_round_trips_a_checkpoint():
     _, policy, _, _ = flow_setup()
     cfg = DiffusionNFTCodeSettings(decay_flat=2, decay_rate=0.25, decay_max=0.6)
-    assert [old_decay(cfg, u) for u in range(6)] == [0.0, 0.0, 0.0, 0.25, 0.5, 0.6]
+    assert [old_decay(cfg, g) for g in range(6)] == [0.0, 0.0, 0.0, 0.25, 0.5, 0.6]
     obj = build_objective(cfg)
     old = obj.old_network(policy)
     start = {k: v.clone() for k, v in old.state.items()}
-    for u, d in [(3, 0.5), (0, 0.0)]:  # after update index u: u + 1 done
+    for steps, d in [(4, 0.5), (1, 0.6)]:  # optimiser steps of the update; g = 4, then 5
         with torch.no_grad():
             for p in policy.parameters():
                 p.add_(0.1)
         before = {k: v.clone() for k, v in old.state.items()}
-        obj.update_index = u
+        for _ in range(steps):
+            obj.step_done()
         assert obj.after_update(Hooks(policy), {})["nft/old_decay"] == d
         current = policy.trainable_state_dict()
         for k, v in old.state.items():
@@ -176,6 +178,102 @@ def test_old_policy_moves_by_the_authors_decay_schedule_and_round_trips_a_checkp
     fresh.load_state_dict(saved)
     restored = fresh.old_network(copy.deepcopy(policy))
     assert all(torch.equal(restored.state[k], v) for k, v in old.state.items())
+    assert int(fresh.state["optimiser_steps"]) == 5
+
+
+def their_return_decay(step: int, decay_type: int) -> float:
+    """NVlabs/DiffusionNFT scripts/train_nft_sd3.py `return_decay` (L169-189; tinnerhrhe/GARDO's
+    train_sd3_nft_gardo.py L191-211 is the same), transcribed line by line."""
+    if decay_type == 0:
+        flat, uprate, uphold = 0, 0.0, 0.0
+    elif decay_type == 1:
+        flat, uprate, uphold = 0, 0.001, 0.5
+    elif decay_type == 2:
+        flat, uprate, uphold = 75, 0.0075, 0.999
+    else:
+        raise AssertionError(decay_type)
+    return their_decay(step, flat, uprate, uphold)
+
+
+def their_decay(step: int, flat: int, uprate: float, uphold: float) -> float:
+    """The tail of their `return_decay`, for constants of our choosing."""
+    if step < flat:
+        return 0.0
+    decay = (step - flat) * uprate
+    return min(decay, uphold)
+
+
+def their_old_model(theta0: dict[str, np.ndarray], step_size: float, epochs: int, steps_per_epoch: int,
+                    decay_type: int) -> tuple[list[int], list[float], dict[str, np.ndarray]]:
+    """Their loop's global_step and old-model lines (train_nft_sd3.py): old = a copy of the policy before the first
+    epoch (L575-579); `global_step += 1` after each optimizer.step (L1000-1021); after the epoch's inner epochs,
+    decay = return_decay(global_step, decay_type) and old = old * decay + theta * (1 - decay) (L1034-1039).
+    Each optimiser step here adds `step_size` to every trained value (theta = theta0 + step_size * global_step)."""
+    global_step, old = 0, {k: v.copy() for k, v in theta0.items()}
+    steps, decays = [], []
+    for _epoch in range(epochs):
+        for _step in range(steps_per_epoch):
+            global_step += 1
+        decay = their_return_decay(global_step, decay_type)
+        old = {k: v * decay + (theta0[k] + step_size * global_step) * (1.0 - decay) for k, v in old.items()}
+        steps.append(global_step)
+        decays.append(decay)
+    return steps, decays, old
+
+
+@pytest.mark.parametrize("form", ["code", "gardo"])
+def test_old_policy_decay_and_ema_follow_their_loop_with_two_optimiser_steps_per_update(form):
+    """Their sd3_ocr config (config/nft.py: decay_type 2, gradient_step_per_epoch=2): with two optimiser steps per
+    update the decay sequence and the old copy are their loop's, flat 75, rate 0.0075 and max 0.999 copied as
+    written; counting updates instead would give a different sequence (checked, so the comparison can fail)."""
+    from steadyrl.trainer.objectives.gardo_nft import GARDONFTSettings
+
+    settings = {"code": DiffusionNFTCodeSettings, "gardo": GARDONFTSettings}[form]
+    cfg = settings(decay_flat=75, decay_rate=0.0075, decay_max=0.999)
+    assert (cfg.decay_flat, cfg.decay_rate, cfg.decay_max) == (75, 0.0075, 0.999)
+    _, policy, _, _ = flow_setup()
+    obj = build_objective(cfg)
+    old = obj.old_network(policy)
+    theta0 = {k: v.detach().numpy().copy() for k, v in policy.trainable_state_dict().items() if v.is_floating_point()}
+    epochs, per_update, step_size = 110, 2, 1e-3
+    their_steps, their_decays, their_old = their_old_model(theta0, step_size, epochs, per_update, decay_type=2)
+    steps, decays = [], []
+    for u in range(epochs):
+        obj.update_index = u  # the learner's update count, as `_optimisation_step` sets it
+        for _ in range(per_update):
+            with torch.no_grad():
+                for p in policy.parameters():
+                    p.add_(step_size)
+            obj.step_done()
+        metrics = obj.after_update(Hooks(policy) if form == "code" else GardoHooks(policy), {})
+        steps.append(int(metrics["nft/optimiser_steps"]))
+        decays.append(metrics["nft/old_decay"])
+    assert steps == their_steps and decays == their_decays
+    assert decays[36:39] == [0.0, 0.0075, 0.0225] and decays[-1] == 0.999  # flat, rate and cap all reached
+    assert decays != [their_return_decay(u + 1, 2) for u in range(epochs)]  # the per-update count differs
+    for k, v in their_old.items():
+        np.testing.assert_allclose(old.state[k].numpy(), v, rtol=1e-12, atol=1e-12)
+    moved = max(float(np.abs(v - theta0[k]).max()) for k, v in their_old.items())
+    assert moved > 0.05  # the old copy moved well beyond the tolerance
+
+
+class GardoHooks(Hooks):
+    """`Hooks` plus the reference reset GARDO-NFT's `after_update` may ask for."""
+
+    def reset_reference(self) -> None:
+        pass
+
+
+def test_a_checkpoint_without_the_step_count_resumes_at_its_updates_times_the_steps_per_update():
+    """A checkpoint written before the count was kept: g is taken as updates done x this update's steps."""
+    obj = build_objective(DiffusionNFTCodeSettings(decay_rate=0.01))
+    obj.load_state_dict({})
+    obj.update_index = 3  # three updates done before this one
+    for _ in range(2):
+        obj.step_done()
+    metrics = obj.after_update(Hooks(flow_setup()[1]), {})
+    assert metrics["nft/optimiser_steps"] == 8.0 and metrics["nft/old_decay"] == pytest.approx(0.08)
+    assert int(obj.state_dict()["optimiser_steps"]) == 8
 
 
 def test_samplers_without_clean_velocity_samples_are_refused_by_name():
@@ -195,7 +293,8 @@ def sampler_kind(sampler) -> str:
 @pytest.mark.parametrize("form,sign", [("code", 1.0), ("paper", 1.0), ("code", -1.0)])
 def test_nft_moves_brightness_the_rewarded_way_on_the_real_learner(form, sign):
     """Reward = sign x mean brightness on the tiny flow UNet: six updates of the DeepSpeed learner move the held-out
-    mean brightness the rewarded way (by > 0.05; ~0.1 seen); the old policy follows the policy (d(u) = 0.001 u)."""
+    mean brightness the rewarded way (by > 0.05; ~0.1 seen); the old policy follows the policy (d(g) = 0.001 g, g the
+    optimiser steps)."""
     set_rank_env(free_port())
     learner = make_image_learner(IMAGE_FAMILIES["flow_sde"], SETTINGS[form](beta=1.0), micro_batch_size=12)
 
@@ -210,7 +309,8 @@ def test_nft_moves_brightness_the_rewarded_way_on_the_real_learner(form, sign):
     assert sign * (score() - base) > 0.05
     old, current = learner.objective.old.state, learner.weights()
     d = metrics["nft/old_decay"]
-    assert 0 < d < 0.01
+    assert metrics["nft/optimiser_steps"] == 6 * metrics["policy/optimizer_steps"] == 12  # 24 samples, 12 a step
+    assert d == pytest.approx(0.012)  # d(g) = 0.001 g
     assert max(float((old[k].cpu() - current[k]).abs().max()) for k in old) < 1.0
 
 
@@ -270,4 +370,42 @@ def test_a_resumed_learner_continues_exactly_with_the_old_copy_from_its_checkpoi
     second.update(batch)
     a, b = first.weights(), second.weights()
     assert all(torch.equal(a[k], b[k]) for k in a)
+    assert all(torch.equal(v, second.objective.old.state[k]) for k, v in first.objective.old.state.items())
+
+
+def test_the_learner_counts_every_optimiser_step_of_an_update_in_the_old_policy_decay():
+    """24 samples in micro-batches of 6, optimisation batches of 12, two inner epochs: 2 x 2 = 4 optimiser steps per
+    update, so their global_step is 4, 8, 12 after each; d = their schedule there and old = d old + (1 - d) theta."""
+    set_rank_env(free_port())
+    cfg = DiffusionNFTCodeSettings(decay_flat=5, decay_rate=0.1, decay_max=0.999)
+    learner = make_image_learner(IMAGE_FAMILIES["flow_sde"], cfg, micro_batch_size=6, optim_batch_size=12,
+                                 inner_epochs=2)
+    old = learner.weights()  # the old copy starts as the policy
+    for u in range(3):
+        metrics = learner.update(brightness_batch(learner, u))
+        global_step = 4 * (u + 1)
+        d = their_decay(global_step, 5, 0.1, 0.999)
+        assert metrics["policy/optimizer_steps"] == 4 and metrics["nft/optimiser_steps"] == global_step
+        assert metrics["nft/old_decay"] == d
+        current = learner.weights()
+        old = {k: d * v + (1 - d) * current[k] for k, v in old.items()}
+        for k, v in learner.objective.old.state.items():
+            torch.testing.assert_close(v.cpu(), old[k])
+    assert d == pytest.approx(0.7)
+
+
+def test_a_resumed_learner_keeps_the_optimiser_step_count_when_the_steps_per_update_change(tmp_path):
+    """Two optimiser steps in the first update, one in the next (a smaller batch): the resumed learner's g is 3, as the
+    one that went straight through, not 2 (its update count times its steps per update)."""
+    set_rank_env(free_port())
+    cfg = DiffusionNFTCodeSettings(decay_rate=0.1)
+    first = make_image_learner(IMAGE_FAMILIES["flow_sde"], cfg, micro_batch_size=12)
+    first.update(brightness_batch(first, 0))
+    first.save(tmp_path / "ckpt")
+    second = make_image_learner(IMAGE_FAMILIES["flow_sde"], cfg, micro_batch_size=12, seed=5)
+    second.load(tmp_path / "ckpt")
+    batch = brightness_batch(first, 1, n_per_class=3)
+    a, b = first.update(batch), second.update(batch)
+    assert a["nft/optimiser_steps"] == b["nft/optimiser_steps"] == 3.0
+    assert a["nft/old_decay"] == b["nft/old_decay"] == pytest.approx(0.3)
     assert all(torch.equal(v, second.objective.old.state[k]) for k, v in first.objective.old.state.items())

@@ -1,15 +1,22 @@
 """GARDO on DiffusionNFT (trainer/objectives/gardo_nft.py): the advantage against their stat tracker rewritten in
-numpy, the loss and its gradient against a re-computation of their per-(micro-batch, timestep) loss, split pieces,
-the reference resets and the threshold's moves as their code makes them, and a learning run on the real learner."""
+numpy, every grid value trained per sample, the loss and its gradient against a re-computation of their
+per-(micro-batch, timestep) loss, split pieces, the reference resets and the threshold's moves as their code makes
+them, and a learning run on the real learner."""
 from __future__ import annotations
 
 import numpy as np
 import pytest
 import torch
 
+from steadyrl.rollout.batch import RolloutBatch
+from steadyrl.rollout.config import FlowSDESamplerConfig, SchedulerConfig
+from steadyrl.rollout.samplers import build_sampler
 from steadyrl.services.runtime import free_port, set_rank_env
+from steadyrl.trainer.context import UpdateContext
 from steadyrl.trainer.objectives import TermInputs, build_objective
+from steadyrl.trainer.objectives.diffusion_nft import DiffusionNFTCodeSettings
 from steadyrl.trainer.objectives.gardo_nft import GARDONFTSettings
+from steadyrl.trainer.terms import ForwardProcessTerms
 from tests.helpers import IMAGE_FAMILIES, brightness_batch, make_image_learner
 from tests.test_diffusion_nft import flow_setup, reference_loss
 from tests.test_gardo import FakeHooks, make_batch, reference_diversity
@@ -21,7 +28,52 @@ def test_defaults_are_their_nft_gardo_config():
         (0.04, 1.0, 5.0, 0.15, 16)
     assert (cfg.ref_threshold_step, cfg.ref_threshold_floor, cfg.ref_threshold_cap, cfg.quick_reset) == \
         (0.01, 0.1, 0.05, 5)
-    assert (cfg.decay_rate, cfg.decay_max, cfg.beta_init) == (0.001, 0.5, 0.1)
+    assert (cfg.decay_rate, cfg.decay_max, cfg.beta_init, cfg.timestep_fraction) == (0.001, 0.5, 0.1, 1.0)
+
+
+def their_trained_steps(num_steps: int, timestep_fraction: float) -> int:
+    """Trained grid values per sample in both scripts: `int(config.sample.num_steps * config.train.timestep_fraction)`
+    (GARDO train_sd3_nft_gardo.py L595, DiffusionNFT train_nft_sd3.py L569); the inner loop runs over
+    range(num_train_timesteps) of each sample's permuted timesteps."""
+    return int(num_steps * timestep_fraction)
+
+
+@pytest.mark.parametrize("settings,their_fraction", [
+    (GARDONFTSettings(), 1.0),  # GARDO config/gardo.py nft_sd3_geneval: config/base.py L105, train.timestep_fraction
+    (DiffusionNFTCodeSettings(), 0.99)])  # DiffusionNFT config/base.py L87
+def test_each_sample_trains_their_number_of_the_ten_grid_values(settings, their_fraction):
+    """With their 10 sampling steps, GARDO-NFT's default trains every grid value of every sample (10 distinct, once
+    each), DiffusionNFT's floor(10 x 0.99) = 9: counted in the pieces the terms produce."""
+    T = 10
+    sampler = build_sampler(FlowSDESamplerConfig(num_steps=T), SchedulerConfig())
+    _, policy, _, ref = flow_setup()
+    obj = build_objective(settings)
+    n = 8
+    g = torch.Generator().manual_seed(1)
+    mb = RolloutBatch(cond=torch.arange(n) % 4, group=torch.arange(n) // 4,
+                      samples=torch.randn(n, 1, 8, 8, generator=g, dtype=torch.float64), traj=torch.zeros(n, 2, 1),
+                      old_logp=torch.zeros(n, 1), timesteps=sampler.timesteps, trainable=sampler.trainable,
+                      advantages=torch.zeros(n, dtype=torch.float64))
+    ctx = UpdateContext(sampler=sampler, policy=policy, reference=ref, objective=obj, train_steps=torch.arange(T),
+                        generator=torch.Generator().manual_seed(2))
+    terms = ForwardProcessTerms(ctx, [mb], [None])
+    trained: list[list[int]] = [[] for _ in range(n)]
+    for key in terms.keys():
+        for i, k in enumerate(terms.piece(key).step.tolist()):
+            trained[i].append(k)
+    expected = their_trained_steps(T, their_fraction)
+    assert expected == (T if their_fraction == 1.0 else 9)
+    assert [len(steps) for steps in trained] == [expected] * n and terms.n_terms == expected * n
+    assert all(len(set(steps)) == expected and set(steps) <= set(range(T)) for steps in trained)
+
+
+@pytest.mark.parametrize("preset,fraction", [("digits-flow-gardo-nft", 1.0), ("sd35-gardo-nft", 1.0),
+                                             ("digits-flow-nft", 0.99), ("sd35-nft", 0.99)])
+def test_gardo_nft_presets_train_every_grid_value_over_their_nft_bases(preset, fraction):
+    from steadyrl.services.config import CONFIG_DIR, load_config
+
+    cfg = load_config(CONFIG_DIR / f"{preset}.yaml")
+    assert cfg.objective.timestep_fraction == fraction and cfg.sampler.num_steps == 10
 
 
 def test_advantage_is_their_diversity_weighted_centred_reward_without_std_division():

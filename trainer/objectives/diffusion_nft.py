@@ -20,10 +20,15 @@ and the optimality r in [0, 1] of each sample; they differ in r's normaliser and
   v = eps - x0 the flow-matching target (recovered as (x_t - x0) / t).
 
 `batch.advantages` holds A_c; `loss` maps it to r. The old policy is the objective's copy of the sampling policy
-(`old_network`: the live network called with its own trained tensors, `AdapterReference`), checkpointed in the
-objective state, moved after each update by old <- d old + (1 - d) theta with the authors' linear schedule
-d(u) = min(max(u - flat, 0) * rate, max) (their `return_decay`; defaults: `decay_type` 1 of config/nft.py, flat 0,
-rate 0.001, max 0.5), u = updates done (theirs counts optimiser steps: the same with one optimiser step per update).
+(`old_network`: the live network called with its own trained tensors, `AdapterReference`): the rollouts sample with
+it (`sampling_state`, `sample_with` "old"; theirs switches the transformer to its "old" adapter to sample, and back
+to "default" to train and evaluate), it is checkpointed in the objective state and moved after each update by
+old <- d old + (1 - d) theta with the authors' linear schedule d(g) = min(max(g - flat, 0) * rate, max) (their `return_decay`; defaults: `decay_type` 1 of config/nft.py, flat 0,
+rate 0.001, max 0.5), g = optimiser steps done, this update's included, as theirs: they move the old model once per
+epoch, after its last optimizer.step, by d = return_decay(global_step), global_step += 1 per optimizer.step. g is
+counted in `step_done` (a step skipped for a non-finite gradient too, as their GradScaler-skipped steps count) and
+kept in the objective state, so their flat, rate and max copy as written whatever the optimiser steps per update
+(`learner.inner_epochs` x ceil(micro-batches / `micro_per_optim_step`); their sd3_ocr config: 2 per epoch).
 """
 from __future__ import annotations
 
@@ -41,6 +46,7 @@ from steadyrl.trainer.objectives.base import LearnerHooks, Objective, ObjectiveS
 from steadyrl.trainer.objectives.registry import register
 
 OLD = "old."  # prefix of the old policy's tensors in the objective state
+STEPS = "optimiser_steps"  # g, the optimiser steps done (their global_step), in the objective state
 
 
 class DiffusionNFTSettings(ObjectiveSettings):
@@ -57,10 +63,16 @@ class DiffusionNFTSettings(ObjectiveSettings):
     eps_std: float = Field(1e-4, gt=0, description="A = (R - mean_prompt R) / (std + eps_std)")
     timestep_fraction: float = Field(0.99, gt=0, le=1, description="each sample trains on floor(T x this) of the "
                                      "sampler's T grid values, a random permutation per sample (theirs: 0.99)")
-    decay_flat: int = Field(0, ge=0, description="old-policy EMA decay d(u) = min(max(u - flat, 0) rate, max): "
-                            "updates with d = 0 (old = policy) first")
-    decay_rate: float = Field(0.001, ge=0, description="growth of d(u) per update (decay_type 1: 0.001)")
-    decay_max: float = Field(0.5, ge=0, lt=1, description="cap of d(u) (decay_type 1: 0.5; decay_type 2: 0.999 with "
+    sample_with: Literal["old", "current"] = Field(
+        "old", description="the policy the rollouts sample with: the old (EMA) policy the loss contrasts against, as "
+        "the authors' scripts do (set_adapter('old') before sampling), or `current`, the policy being trained (the "
+        "on-policy variant: the samples then come from v_theta while the loss's implicit policies mix in v_old)")
+    decay_flat: int = Field(0, ge=0, description="old-policy EMA decay d(g) = min(max(g - flat, 0) rate, max), g "
+                            "the optimiser steps done (their global_step, so their values copy as written): d = 0 "
+                            "(old = policy) until g reaches this")
+    decay_rate: float = Field(0.001, ge=0, description="growth of d(g) per optimiser step, not per update (decay_type "
+                              "1: 0.001): an update of k optimiser steps moves d by k x this")
+    decay_max: float = Field(0.5, ge=0, lt=1, description="cap of d(g) (decay_type 1: 0.5; decay_type 2: 0.999 with "
                              "flat 75, rate 0.0075)")
 
 
@@ -77,9 +89,9 @@ def optimality(clipped: Tensor, clip: float) -> Tensor:
     return (clipped / (2 * clip) + 0.5).clamp(0, 1)
 
 
-def old_decay(cfg: DiffusionNFTSettings, u: int) -> float:
-    """d(u) = min(max(u - flat, 0) * rate, max) (their `return_decay`; 0 before `flat`)."""
-    return 0.0 if u < cfg.decay_flat else min((u - cfg.decay_flat) * cfg.decay_rate, cfg.decay_max)
+def old_decay(cfg: DiffusionNFTSettings, g: int) -> float:
+    """d(g) = min(max(g - flat, 0) * rate, max), g optimiser steps done (their `return_decay`; 0 before `flat`)."""
+    return 0.0 if g < cfg.decay_flat else min((g - cfg.decay_flat) * cfg.decay_rate, cfg.decay_max)
 
 
 def per_sample_mean(x: Tensor) -> Tensor:
@@ -96,6 +108,8 @@ class DiffusionNFT(Objective):
     def __init__(self, cfg: DiffusionNFTSettings):
         super().__init__(cfg)
         self.old: AdapterReference | None = None
+        self.state[STEPS] = torch.tensor(0)
+        self.steps_this_update = 0  # optimiser steps of the update in progress (`step_done`)
 
     def prepare_batch(self, batch: RolloutBatch) -> tuple[RolloutBatch, dict[str, float]]:
         """A_c = clamp((R - mean_prompt R) / (std + eps_std), -c, c), std the batch's (code) or prompt's (paper)."""
@@ -118,6 +132,11 @@ class DiffusionNFT(Objective):
                 self.old.load_trainable_state_dict(saved)
         return self.old
 
+    def sampling_state(self, policy: nn.Module) -> dict[str, Tensor] | None:
+        """The old policy's tensors (`sample_with` "old"): before the first update the policy's own, after it
+        old <- d old + (1 - d) theta; a resumed run's from its checkpoint."""
+        return self.old_network(policy).state if self.cfg.sample_with == "old" else None
+
     def state_dict(self) -> dict[str, Tensor]:
         state = super().state_dict()
         if self.old is not None:
@@ -126,19 +145,34 @@ class DiffusionNFT(Objective):
 
     def load_state_dict(self, state: dict[str, Tensor]) -> None:
         super().load_state_dict(state)
+        self.steps_this_update = 0
         if self.old is not None:
             self.old.load_trainable_state_dict({k[len(OLD):]: v for k, v in state.items() if k.startswith(OLD)})
 
+    def step_done(self) -> None:
+        """Count the optimiser step: g += 1 at `after_update` (their global_step += 1 per optimizer.step)."""
+        self.steps_this_update += 1
+
+    def optimiser_steps(self) -> int:
+        """g after this update: the steps before it plus this update's. A checkpoint from before the count was kept
+        (no `optimiser_steps` in its state) is taken to have run this update's number of steps per update."""
+        before = self.state.get(STEPS)
+        done = self.update_index * self.steps_this_update if before is None else int(before)
+        return done + self.steps_this_update
+
     @torch.no_grad()
     def after_update(self, hooks: LearnerHooks, metrics: dict[str, float]) -> dict[str, float]:
-        """old <- d old + (1 - d) theta, d = d(u) with u the updates done (module docstring)."""
-        d = old_decay(self.cfg, self.update_index + 1)
+        """old <- d old + (1 - d) theta, d = d(g) with g the optimiser steps done, this update's included (their
+        `return_decay(global_step)` after the epoch's last optimizer.step; module docstring)."""
+        g = self.optimiser_steps()
+        self.state[STEPS], self.steps_this_update = torch.tensor(g), 0
+        d = old_decay(self.cfg, g)
         if self.old is not None:
             current = hooks.weights()
             for k, v in self.old.state.items():
                 if v.is_floating_point():
                     v.mul_(d).add_(current[k].to(device=v.device, dtype=v.dtype), alpha=1 - d)
-        return {"nft/old_decay": d}
+        return {"nft/old_decay": d, "nft/optimiser_steps": float(g)}
 
     def branches(self, inputs: TermInputs) -> tuple[Tensor, Tensor]:
         """(v+, v-): v+ = beta v_theta + (1 - beta) v_old, v- = (1 + beta) v_old - beta v_theta."""

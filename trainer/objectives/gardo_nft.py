@@ -7,7 +7,8 @@ diversity-aware advantage and resettable reference (trainer/objectives/gardo.py)
                                                    (their PerPromptStatTrackerNFT), c = `adv_clip`
     opt_i  = clamp(A_i / (2c) + 1/2, 0, 1)          the NFT optimality
 
-Per piece (b samples of a micro-batch at one drawn grid value; n_terms = samples x grid values per sample):
+Per piece (b samples of a micro-batch at one drawn grid value; n_terms = samples x grid values per sample, all T of
+them by default: `timestep_fraction` 1.0, their config/base.py, where diffusion_nft's 0.99 trains 9 of 10):
 
     L        = sum_i c (opt_i L+_i + (1 - opt_i) L-_i) / beta / n_terms  +  kl_coef * KL_piece * b / n_terms
     KL_piece = mean_{i in P} mean (v_theta,i - v_ref,i)^2,   P = the piece's gated samples, or all of them when
@@ -49,6 +50,10 @@ class GARDONFTSettings(DiffusionNFTSettings, RankGateSettings):
     name: Literal["gardo.nft"] = "gardo.nft"
     kl_coef: float = Field(0.04, ge=0, description="weight of KL_piece, the mean (v_theta - v_ref)^2 over the gated "
                            "samples (all when none is gated) to the resettable reference (their train.beta: 0.04)")
+    timestep_fraction: float = Field(1.0, gt=0, le=1, description="each sample trains on floor(T x this) of the "
+                                     "sampler's T grid values, a random permutation per sample: 1.0 trains all T, as "
+                                     "theirs (config/gardo.py nft_sd3_geneval keeps config/base.py's 1.0; "
+                                     "DiffusionNFT's own 0.99 drops one of 10)")
     ref_kl_threshold: float = Field(0.15, gt=0, description="tau at the start: reset the reference after an update "
                                     "whose windowed KL exceeded it (their thres)")
     ref_threshold_step: float = Field(0.01, ge=0, description="tau moves by this at a reset")
@@ -67,8 +72,8 @@ class GARDONFT(DiffusionNFTCode):
 
     def __init__(self, cfg: GARDONFTSettings):
         super().__init__(cfg)
-        self.state = {**rank_gate_state(cfg), "updates_since_reset": torch.tensor(0), "resets": torch.tensor(0),
-                      "kl_threshold": torch.tensor(cfg.ref_kl_threshold, dtype=torch.float64)}
+        self.state.update({**rank_gate_state(cfg), "updates_since_reset": torch.tensor(0), "resets": torch.tensor(0),
+                           "kl_threshold": torch.tensor(cfg.ref_kl_threshold, dtype=torch.float64)})
         self.window = StepKLWindow()
 
     @property
@@ -107,6 +112,8 @@ class GARDONFT(DiffusionNFTCode):
         return loss, metrics
 
     def step_done(self) -> None:
+        """Close the step's windowed KL; count the optimiser step (diffusion_nft's old-policy decay)."""
+        super().step_done()
         self.window.close_step()
 
     def after_update(self, hooks: LearnerHooks, metrics: dict[str, float]) -> dict[str, float]:
