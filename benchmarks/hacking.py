@@ -48,6 +48,9 @@ VARIANTS = {"gardo.paper[over_rating]": ("gardo.paper", ["objective.uncertainty_
             "flow.grpo_fast": ("configs/digits-flow-grpo-fast.yaml", []),
             "diffusion_nft.code": ("configs/digits-flow-nft.yaml", []),
             "diffusion_nft.paper": ("configs/digits-flow-nft.yaml", ["objective.name=diffusion_nft.paper"]),
+            # the on-policy variant: the rollouts sample with the trained policy, not the authors' old (EMA) copy
+            "diffusion_nft.code[sample_with=current]": ("configs/digits-flow-nft.yaml",
+                                                        ["objective.sample_with=current"]),
             "gardo.nft": ("configs/digits-flow-gardo-nft.yaml", [])}
 FLOW_METHODS = ["flow.grpo", "flow.mixgrpo", "flow.grpo_fast", "diffusion_nft.code", "diffusion_nft.paper",
                 "gardo.nft"]
@@ -98,7 +101,7 @@ def main() -> None:
     from benchmarks.compare import warm_caches
     from steadyrl.services.config import load_config
 
-    warm_caches(load_config(preset(args.methods[0]), overrides))  # build cached models once, not per process
+    warm_caches(load_config(preset(variants[0][1]), overrides))  # build cached models once, not per process
     t0 = time.perf_counter()
     runs = run_all([(label, method, overrides + extra) for label, method, extra in variants], args.seeds, args.jobs,
                    args.eval_every)

@@ -63,7 +63,8 @@ class SDEWindowConfig(StrictModel):
     that is fixed, slides with the training step (MixGRPO) or is drawn per training step (Flow-GRPO-Fast).
     Positions count the sampler's stochastic steps (std >= min_std), 0 = the noisiest."""
 
-    size: int = Field(..., ge=1, description="SDE (trained) steps in the window: MixGRPO 4, Flow-GRPO-Fast 1-2")
+    size: int = Field(..., ge=1, description="SDE (trained) steps in the window: MixGRPO 4, Flow-GRPO-Fast 3 "
+                      "(its *_fast_nocfg presets; 2 in its config/base.py and Qwen-Image presets)")
     start: int = Field(0, ge=0, description="the fixed start, the first start of a sliding window, or the lowest "
                        "start a random window may draw")
     shift_every: int | None = Field(None, ge=1, description="MixGRPO's sliding window: the start moves by `stride` "
@@ -72,14 +73,41 @@ class SDEWindowConfig(StrictModel):
     at_end: Literal["stop", "restart"] = Field(
         "stop", description="a sliding window past the last start: stop there (MixGRPO's default clip) or "
         "restart from `start` (MixGRPO's roll_back)")
-    random: bool = Field(False, description="Flow-GRPO-Fast: a uniform start in [start, last start] per training "
+    random: bool = Field(False, description="Flow-GRPO-Fast: a uniform start in [start, start_max] per training "
                          "step, from a generator seeded by (run.seed, step)")
+    start_max: int | None = Field(
+        None, ge=0, description="random windows: the highest start drawn (inclusive), so the SDE stays in the noisy "
+        "half of the grid where Flow-GRPO-Fast trains; flow_grpo draws random.randint(lo, hi - size) from "
+        "sde_window_range = (lo, hi) = (0, num_steps // 2), i.e. start_max = num_steps // 2 - size (2 for 10 steps, "
+        "size 3). None: the last start that keeps the window on the stochastic steps")
+    after: Literal["euler", "dpm_solver++"] = Field(
+        "euler", description="the steps after the window's last SDE step (never trained, no log-prob). euler: the "
+        "rest of the sampler's grid by deterministic Euler steps (MixGRPO; its --dpm_algorithm_type null). "
+        "dpm_solver++: MixGRPO-Flash and Flash* (--dpm_algorithm_type dpmsolver++ --dpm_apply_strategy post): the rest "
+        "of the grid compressed to fewer points (dpm_post_compress_ratio) and solved by multistep DPM-Solver++ seeded "
+        "with the data predictions of the steps before it, fewer model calls per rollout (rollout/dpm_solver.py)")
+    dpm_post_compress_ratio: float = Field(
+        0.4, gt=0.0, le=1.0, description="after=dpm_solver++: the tail gets int(max((num_steps - last) * ratio, 1)) "
+        "grid points (one step fewer), last = the window's last SDE step, on MixGRPO's shifted grid from the window's "
+        "end to 0 (rollout/flow_grid.py); their --dpm_post_compress_ratio, Flash 0.4, Flash* 0.2")
+    dpm_solver_order: Literal[1, 2, 3] = Field(
+        2, description="after=dpm_solver++: the multistep order (their --dpm_solver_order; 2 in the Flash scripts); "
+        "the tail's last step is always first order, as theirs")
+    dpm_solver_type: Literal["midpoint", "heun"] = Field(
+        "midpoint", description="after=dpm_solver++: the second-order update's form (their --dpm_solver_type; "
+        "midpoint in the Flash scripts, their argparse default heun)")
 
     @model_validator(mode="after")
     def _one_motion(self) -> "SDEWindowConfig":
         if self.random and self.shift_every is not None:
             raise ValueError("sampler.sde_window: random=true and shift_every are two ways to move the window; "
                              "set one (shift_every=None for Flow-GRPO-Fast's random window)")
+        if self.start_max is not None and not self.random:
+            raise ValueError("sampler.sde_window.start_max bounds a random window's start: set random=true, or "
+                             "leave start_max unset")
+        if self.start_max is not None and self.start_max < self.start:
+            raise ValueError(f"sampler.sde_window.start_max={self.start_max} is below start={self.start}: the "
+                             "random start is drawn from [start, start_max]")
         return self
 
 
@@ -88,8 +116,30 @@ class FlowSDESamplerConfig(SamplerBase):
 
     kind: Literal["flow_sde"] = "flow_sde"
     prediction: ClassVar[str] = "velocity"
-    noise_level: float = Field(0.7, gt=0.0, le=2.0, description="a in sigma_s = a * sqrt(s / (1 - s))")
-    shift: float = Field(1.0, gt=0.0, description="FlowMatchEulerDiscreteScheduler's timestep shift")
+    noise_level: float = Field(0.7, gt=0.0, le=2.0, description="a: sde_type=sde, sigma_s = a * sqrt(s / (1 - s)) "
+                               "(Flow-GRPO 0.7, FLUX 0.9); sde_type=cps, std = s_next * sin(a pi / 2), a <= 1 "
+                               "(flow_grpo's CPS presets 0.8)")
+    sde_type: Literal["sde", "cps"] = Field(
+        "sde", description="the SDE step (flow_grpo's sde_type). sde: Flow-GRPO's Euler-Maruyama step of the "
+        "marginal-preserving SDE, Gaussian log-prob. cps: Coefficients-Preserving Sampling (arXiv 2509.05952, the "
+        "step of flow_grpo's Flow-GRPO-Fast presets), x_next = x0_hat (1 - s_next) + eps_hat sqrt(s_next^2 - std^2) "
+        "+ std z, whose noise keeps the sample on the flow's (1 - s) x0 + s eps coefficients; its log-prob is "
+        "flow_grpo's -(x_next - mean)^2 with every constant and the 1/(2 std^2) scale dropped (a different ratio "
+        "scale: clip ranges are not interchangeable with sde's)")
+    shift: float = Field(1.0, gt=0.0, description="the grid's static timestep shift: FlowMatchEulerDiscreteScheduler's "
+                         "(grid=scheduler; FLUX models take their scheduler config's instead), or sd3_time_shift's "
+                         "(grid=sd3_time_shift; MixGRPO 3)")
+    grid: Literal["scheduler", "sd3_time_shift"] = Field(
+        "scheduler", description="the sigma grid. scheduler: diffusers' (FlowMatchEulerDiscreteScheduler(shift)."
+        "set_timesteps(num_steps), as Flow-GRPO; FLUX: FluxPipeline's linspace(1, 1/N, N) shifted by mu(image size)). "
+        "sd3_time_shift: MixGRPO's (and DanceGRPO's) sd3_time_shift(shift, linspace(1, 0, N + 1)), every point "
+        "statically shifted, whatever the model's scheduler says (rollout/flow_grid.py)")
+    integer_timesteps: bool = Field(
+        False, description="call the model at int(sigma * 1000), the floor, as MixGRPO does in sampling and training "
+        "(the step formulas keep sigma); false: at sigma * num_train_timesteps, as diffusers' schedulers. The floor "
+        "reaches a FLUX transformer exactly only with float32 activations (testbed.dtype float32, autocast bfloat16, "
+        "as MixGRPO's fp32 master weights under bf16 autocast): it casts the timestep to its input's dtype, and bf16 "
+        "rounds timesteps near 1000 to multiples of 4")
     sde_window: SDEWindowConfig | None = Field(
         None, description="None: every stochastic step is an SDE step and trained (Flow-GRPO). Set: SDE steps only "
         "inside this window, deterministic Euler (ODE) steps elsewhere, only the window trained (MixGRPO, "
@@ -97,9 +147,16 @@ class FlowSDESamplerConfig(SamplerBase):
 
     @model_validator(mode="after")
     def _window_on_grid(self) -> "FlowSDESamplerConfig":
+        if self.sde_type == "cps" and self.noise_level > 1:
+            raise ValueError(f"sampler.noise_level={self.noise_level} with sde_type=cps: std = s_next sin(a pi / 2) "
+                             "peaks at a = 1 (all of the step's noise fresh) and folds back above it; use a <= 1 "
+                             "(flow_grpo: 0.8)")
         w = self.sde_window
         if w is not None and w.start + w.size > self.num_steps:
             raise ValueError(f"sampler.sde_window: start={w.start} + size={w.size} runs past the grid's "
+                             f"num_steps={self.num_steps} steps")
+        if w is not None and w.start_max is not None and w.start_max + w.size > self.num_steps:
+            raise ValueError(f"sampler.sde_window: start_max={w.start_max} + size={w.size} runs past the grid's "
                              f"num_steps={self.num_steps} steps")
         return self
 
@@ -129,6 +186,12 @@ class MaskedDiffusionSamplerConfig(SamplerBase):
         "spread evenly over 1..L, lower variance at the same cost), block_random (SPG/StableDRL: one block per "
         "MC sample partly masked, later positions masked, earlier ones and the prompt with prompt_mask_prob; "
         "blocks of block_length; elbo only)")
+    stratified_batch_size: int | None = Field(
+        None, ge=1, description="mask_scheme=stratified: MC samples per shared draw k. LLaDA's get_log_likelihood "
+        "loops mc_num // batch_size times and draws one k per mini-batch of batch_size samples (theirs: 128 / 16), "
+        "so its counts are spread evenly within each mini-batch, not over all n; set it to reproduce their masks "
+        "for the same k draws. None: one k for all mc_samples (LLaDA with batch_size = mc_num). Must divide "
+        "mc_samples, as their loop leaves no partial mini-batch")
     prompt_mask_prob: float = Field(0.15, ge=0, lt=1, description="p: prompt tokens masked with this probability "
                                     "by the one_step estimator (d1) and, with the positions before the chosen "
                                     "block, by mask_scheme=block_random (SPG)")
@@ -139,6 +202,13 @@ class MaskedDiffusionSamplerConfig(SamplerBase):
         False, description="score the whole fixed-length canvas, tokens after the first EOS included. False (d1, "
         "SPG/StableDRL): positions after a completion's first EOS are masked in the model's input and left out of "
         "every likelihood term, the EUBO and the mask counts, so padding never moves a ratio")
+    attend_pads: bool = Field(
+        False, description="true: call the model without an attention mask, so left-padded prompt rows attend to "
+        "their pad tokens, in generation and every likelihood pass: d1's code (diffu-grpo's generate and "
+        "get_logits, the path of _get_per_token_logps, call model(x); the tokenizer's prompt mask is never "
+        "passed), for reproducing grpo.d1 runs exactly. False (the default; SPG's and LLaDA's generate.py): the "
+        "pads are masked out, so a padded row generates and scores as its prompt alone would and a completion's "
+        "likelihood does not depend on how long the batch's other prompts are")
     group_size: int = Field(8, ge=2, description="completions per prompt: one GRPO group")
 
     @model_validator(mode="after")
@@ -155,6 +225,12 @@ class MaskedDiffusionSamplerConfig(SamplerBase):
         if self.mask_scheme == "block_random" and self.estimator != "elbo":
             raise ValueError("sampler.mask_scheme=block_random needs sampler.estimator=elbo (coupled's complement "
                              "of a block mask would unmask the later blocks)")
+        if self.stratified_batch_size is not None and self.mask_scheme != "stratified":
+            raise ValueError(f"sampler.stratified_batch_size={self.stratified_batch_size} applies to "
+                             f"mask_scheme=stratified, got {self.mask_scheme}: unset it or use stratified")
+        if self.stratified_batch_size is not None and self.mc_samples % self.stratified_batch_size:
+            raise ValueError(f"sampler.stratified_batch_size={self.stratified_batch_size} must divide "
+                             f"sampler.mc_samples={self.mc_samples} (LLaDA's loop draws whole mini-batches)")
         return self
 
 

@@ -134,6 +134,15 @@ class SequenceSampler(Sampler, Protocol):
         """The batch with newly drawn MC masks."""
 
 
+class TailSolver(Protocol):
+    """Finishes a rollout from step `first_step` on, deterministically and untrained (rollout/dpm_solver.py):
+    `tail(x, cond)` returns the final sample from the state x at step `first_step`."""
+
+    first_step: int
+
+    def __call__(self, x: Tensor, cond: Cond) -> Tensor: ...
+
+
 class GaussianStepSampler(ABC):
     """The Gaussian family of `Sampler`: shared sampling / recompute logic over a schedule; subclasses define
     the schedule and `step_distribution`. Attributes (all [T], T = num inference steps):
@@ -191,6 +200,7 @@ class GaussianStepSampler(ABC):
         group_offset: int = 0,
         cond_inputs: dict[str, Tensor] | None = None,
         sde_steps: Tensor | None = None,
+        tail: TailSolver | None = None,
     ) -> RolloutBatch:
         """Draw `n_per_cond` samples for each entry of `cond` (class or prompt ids [C]); one group per entry,
         numbered from `group_offset` (workers use distinct offsets so their batches can be joined).
@@ -198,10 +208,15 @@ class GaussianStepSampler(ABC):
         of the ids; they travel in the batch (`RolloutBatch.model_cond`). Sampling runs on the policy's
         device; the batch comes back on the CPU, ready for the object store. `sde_steps` ([T] bool, a subset of
         `trainable`; None = all of them): the steps drawn stochastically and marked trainable in the batch; the
-        other stochastic steps take the sampler's deterministic `ode_mean` (an SDE window, rollout/sde_window.py)."""
+        other stochastic steps take the sampler's deterministic `ode_mean` (an SDE window, rollout/sde_window.py).
+        `tail`: a solver that takes over at step `tail.first_step` (after the last SDE step) and returns the final
+        sample (MixGRPO-Flash's DPM-Solver++ on a compressed grid, rollout/dpm_solver.py); the batch's later
+        states are that final sample, with no log-prob (its own grid's states are not on this one)."""
         sde = self.trainable if sde_steps is None else sde_steps.bool()
         if sde.shape != self.trainable.shape or bool((sde & ~self.trainable).any()):
             raise ValueError("sde_steps must be a [T] mask within the sampler's stochastic steps")
+        if tail is not None and bool(sde[tail.first_step:].any()):
+            raise ValueError(f"a tail solver from step {tail.first_step} on would skip SDE steps")
         device = module_device(policy)
         n_groups = len(cond)
         cond = cond.long().repeat_interleave(n_per_cond)
@@ -211,7 +226,7 @@ class GaussianStepSampler(ABC):
         B, T = len(cond), len(self.timesteps)
         x = torch.randn((B, *sample_shape), generator=generator, dtype=dtype).to(device)
         traj, logps = [x], []
-        for k in range(T):
+        for k in range(T if tail is None else tail.first_step):
             at = torch.full((B,), k, dtype=torch.long)
             stochastic = bool(sde[k])
             if stochastic or not bool(self.trainable[k]):  # the SDE kernel (its mean where its std is ~0)
@@ -222,6 +237,10 @@ class GaussianStepSampler(ABC):
             x = self._advance(dist, k, noise)
             logps.append(dist.log_prob(x, self.reduce) if stochastic else torch.zeros(B, dtype=dtype, device=device))
             traj.append(x)
+        if tail is not None:  # the rest of the grid, deterministic and untrained
+            x = tail(x, model_cond)
+            traj += [x] * (T - tail.first_step)
+            logps += [torch.zeros(B, dtype=dtype, device=device)] * (T - tail.first_step)
         traj_cpu = torch.stack(traj, dim=1).cpu()  # one device -> host copy per rollout, not one per step
         return RolloutBatch(cond=cond, group=group, samples=traj_cpu[:, -1].clone(), traj=traj_cpu,
                             old_logp=torch.stack(logps, dim=1).cpu(), timesteps=self.timesteps.clone(),

@@ -9,10 +9,16 @@ rollout worker of a step, sample with the same window:
     sliding  n = k // shift_every;  raw = start + stride * n                       (MixGRPO's progressive strategy)
              stop:    start_k = min(raw, last)                                     (its default: clip at the end)
              restart: start_k = start + stride * (n mod (floor((last - start) / stride) + 1))   (its roll_back)
-    random   start_k ~ U{start, ..., last} from torch.Generator seeded by window_seed(seed, k)  (Flow-GRPO-Fast)
+    random   start_k ~ U{start, ..., hi}, hi = start_max (None: last), from torch.Generator seeded by
+             window_seed(seed, k)                                                  (Flow-GRPO-Fast)
 
-MixGRPO keeps sliding until the start reaches sampling_steps - 2 and lets the window hang over the grid's end;
-here the window stays whole (its start stops at `last`).
+Flow-GRPO-Fast (flow_grpo's sd3_pipeline_with_logprob_fast.py) draws start = random.randint(lo, hi - size), both
+ends inclusive, from sde_window_range = (lo, hi) = (0, num_steps // 2): start_max = num_steps // 2 - size.  It
+draws once per sampling call, from each process's own Python RNG (accelerate's set_seed(seed, device_specific=True));
+here one start per training step, shared by every worker (same support, same uniform law).
+
+MixGRPO's window is range(start, min(start + size, sampling_steps - 2)): near the grid's end it shrinks and its
+last two steps are never trained; here the window keeps its size (its start stops at `last`).
 """
 from __future__ import annotations
 
@@ -38,8 +44,12 @@ def window_start(cfg: SDEWindowConfig, n_stochastic: int, step: int, seed: int =
     if step < 0:
         raise ValueError(f"training step must be >= 0, got {step}")
     if cfg.random:
+        hi = last if cfg.start_max is None else cfg.start_max  # the highest start drawn, inclusive
+        if hi > last:
+            raise ValueError(f"sampler.sde_window: start_max={cfg.start_max} + size={cfg.size} runs past the "
+                             f"sampler's {n_stochastic} stochastic steps (steps with std >= sampler.min_std)")
         gen = torch.Generator().manual_seed(window_seed(seed, step))
-        return int(torch.randint(cfg.start, last + 1, (1,), generator=gen))
+        return int(torch.randint(cfg.start, hi + 1, (1,), generator=gen))  # start_k ~ U{start, ..., hi}
     if cfg.shift_every is None:
         return cfg.start
     n = step // cfg.shift_every  # shifts so far

@@ -16,8 +16,8 @@ from tests.tiny_models import save_tiny_flux_pipeline, save_tiny_sd3_pipeline
 
 # preset: (objective, SDE window size or None)
 PRESETS = {"sd35-nft": ("diffusion_nft.code", None), "sd35-gardo-nft": ("gardo.nft", None),
-           "sd35-mixgrpo": ("grpo", 4), "sd35-grpo-fast": ("grpo", 2), "flux-nft": ("diffusion_nft.code", None),
-           "flux-mixgrpo": ("grpo", 4)}
+           "sd35-mixgrpo": ("grpo", 4), "sd35-grpo-fast": ("grpo", 3), "flux-nft": ("diffusion_nft.code", None),
+           "flux-mixgrpo": ("grpo", 4), "flux-mixgrpo-flash": ("grpo", 4), "flux-mixgrpo-flash-star": ("grpo", 4)}
 
 
 @pytest.fixture(scope="module")
