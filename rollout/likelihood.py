@@ -14,9 +14,11 @@ estimator, over the prompt):
 How elbo/coupled masks M are drawn is the mask scheme (`sampler.mask_scheme`):
 
   uniform       each MC sample on its own: l ~ U{1..L}, l positions uniformly
-  stratified    LLaDA's `get_log_likelihood`: the n MC samples of a sequence share one draw k ~ U{1..L} and
-                take the counts  l_j = ((round(k + j L / n) - 1) mod L) + 1,  j = 0..n-1,  spread evenly
-                over 1..L (each still uniform on its own), positions uniformly
+  stratified    LLaDA's `get_log_likelihood`: the n MC samples of a sequence in mini-batches of b
+                (`sampler.stratified_batch_size`, default b = n); each mini-batch draws one k ~ U{1..L} and
+                takes the counts  l_i = ((round(linspace(k, k + (b-1) L / b, b)_i) - 1) mod L) + 1,  i = 0..b-1,
+                spread evenly over 1..L (each still uniform on its own), positions uniformly; linspace and
+                round in float32 as theirs (`stratified_counts`)
   block_random  SPG/StableDRL: blocks of `block_length`; MC sample j takes block b_j = perm[j] mod n_blocks
                 (perm a random permutation of the blocks), masks l ~ U{1..block} of its positions, every
                 later position, and each earlier position (earlier blocks and the prompt) with probability p
@@ -25,15 +27,19 @@ How elbo/coupled masks M are drawn is the mask scheme (`sampler.mask_scheme`):
 per-sample form of SPG/StableDRL's code). The masks are drawn at rollout time and stored in the batch,
 so the old, new and reference policies see the same masks unless deliberately decoupled.
 
-Padding and EOS (what a real tokenizer's batch looks like; SPG/StableDRL's and d1's code):
+Padding and EOS (what a real tokenizer's batch looks like):
 
-  prompts   left-padded to one width P; the model attends only to the real tokens (attention mask = prompt
-            mask + ones over the completion), and a model with absolute positions (BERT) gets position ids
-            counted from the first real token, so a padded row scores as the same prompt alone would.
-  EOS       V = positions up to and including the completion's first EOS. Every position after it is masked
-            in the model's input and left out of every term: L, l and M above become L_V = |V|, counts
-            l ~ U{1..L_V} (block_random: blocks of the first L_V positions) and M & V; `reduce="mean"`
-            divides by L_V. A row without EOS has V = everything.
+  prompts   left-padded to one width P; by default the model attends only to the real tokens (attention mask =
+            prompt mask + ones over the completion: SPG's `get_logits_spg`, LLaDA's `generate.py`), and a model
+            with absolute positions (BERT) gets position ids counted from the first real token, so a padded row
+            scores as the same prompt alone would. d1's code does not: diffu-grpo's `get_logits` (the path of
+            `_get_per_token_logps`) and `generate` call `model(x)` with no attention mask, so its left-padded
+            rows attend to the pad tokens (the tokenizer's prompt mask is made and never passed to the model);
+            `sampler.attend_pads: true` reproduces that (the sampler then passes attention=None).
+  EOS       (d1's and SPG/StableDRL's completion mask) V = positions up to and including the completion's
+            first EOS. Every position after it is masked in the model's input and left out of every term: L, l
+            and M above become L_V = |V|, counts l ~ U{1..L_V} (block_random: blocks of the first L_V positions)
+            and M & V; `reduce="mean"` divides by L_V. A row without EOS has V = everything.
 """
 from __future__ import annotations
 
@@ -79,9 +85,11 @@ def completion_valid(completion: Tensor, eos_id: int | None) -> Tensor | None:
 
 def draw_masks(estimator: Estimator, batch_size: int, n: int, gen_length: int, prompt_length: int,
                prompt_mask_prob: float, generator: torch.Generator, scheme: MaskScheme = "uniform",
-               block_length: int | None = None, valid: Tensor | None = None) -> MaskDraw:
+               block_length: int | None = None, valid: Tensor | None = None,
+               stratified_batch: int | None = None) -> MaskDraw:
     """Draw the masks an estimator uses under a mask scheme (see the module docstring); `valid` [B, L]: the
-    positions up to the first EOS, the only ones counted and chosen (None: all L)."""
+    positions up to the first EOS, the only ones counted and chosen (None: all L); `stratified_batch`: the
+    stratified scheme's mini-batch of MC samples sharing one k (None: all n)."""
     B, L, P = batch_size, gen_length, prompt_length
     if estimator == "one_step":
         completion = torch.ones(B, n, L, dtype=torch.bool)
@@ -92,7 +100,7 @@ def draw_masks(estimator: Estimator, batch_size: int, n: int, gen_length: int, p
     if scheme == "block_random":
         return _block_random(B, n, L, P, block_length or L, prompt_mask_prob, generator, valid)
     if scheme == "stratified":
-        count = stratified_counts(B, n, L, generator, _lengths(valid)).unsqueeze(-1)
+        count = stratified_counts(B, n, L, generator, _lengths(valid), stratified_batch).unsqueeze(-1)
     elif scheme == "uniform":
         if valid is None:
             count = torch.randint(1, L + 1, (B, n, 1), generator=generator)  # l ~ U{1..L}
@@ -110,17 +118,39 @@ def _lengths(valid: Tensor | None) -> Tensor | None:
 
 
 def stratified_counts(batch_size: int, n: int, gen_length: int, generator: torch.Generator,
-                      lengths: Tensor | None = None) -> Tensor:
-    """Mask counts [B, n]: l_j = ((round(k + j L / n) - 1) mod L) + 1 with one k ~ U{1..L} per sequence
-    (L per row from `lengths` [B] when given: the positions up to the first EOS)."""
+                      lengths: Tensor | None = None, group: int | None = None) -> Tensor:
+    """Mask counts [B, n] as LLaDA's `forward_process`: the n MC samples of a sequence in mini-batches of
+    b = `group` (None: one of all n; a shorter last one has b = its size), one k ~ U{1..L} per mini-batch, and
+    sample i of it takes
+
+        l_i = ((round(linspace(k, k + (b - 1) (L / b), b)_i) - 1) mod L) + 1
+
+    with their float32 arithmetic: end = f32(k) + f32((b - 1) (L / b)), step = f32(end - k) / (b - 1), and
+    linspace_i = k + step i (i < b // 2), end - step (b - 1 - i) (the rest), each a fused multiply-add as
+    torch's linspace kernel computes it (one rounding: exact in float64 here, then rounded to float32), round
+    half to even. (float64 arithmetic puts some .5 ties on the other side: L = 5, b = 6, k = 5 gives 7.5 at
+    i = 3, count 3, where theirs has 7.4999995, count 2.)
+    L per row from `lengths` [B] when given (the positions up to the first EOS)."""
+    b_max = n if group is None else min(group, n)
+    n_groups = -(-n // b_max)
     if lengths is None:
-        L = gen_length
-        k = torch.randint(1, L + 1, (batch_size, 1), generator=generator).double()
+        L = torch.full((batch_size, 1), float(gen_length), dtype=torch.float64)
+        k = torch.randint(1, gen_length + 1, (batch_size, n_groups), generator=generator).double()
     else:
         L = lengths.view(batch_size, 1).double()
-        k = (torch.rand(batch_size, 1, generator=generator, dtype=torch.float64) * L).floor() + 1
-    spread = k + torch.arange(n, dtype=torch.float64) * (L / n)
-    return ((spread.round() - 1) % L + 1).long()  # exact: small integers in float64
+        k = (torch.rand(batch_size, n_groups, generator=generator, dtype=torch.float64) * L).floor() + 1
+    j = torch.arange(n)
+    g, i = j // b_max, (j % b_max).double()
+    b = (n - g * b_max).clamp(max=b_max).double()  # each sample's mini-batch size
+    k = k[:, g]  # [B, n]: the draw of each sample's mini-batch
+
+    def f32(x: Tensor) -> Tensor:
+        return x.float().double()
+
+    end = f32(k + f32(L / b * (b - 1)))  # f32 add of f32(k) and the float64 product rounded to f32
+    step = f32(f32(end - k) / (b - 1).clamp(min=1))  # b = 1: linspace is [k], step unused
+    value = torch.where(i < torch.div(b, 2, rounding_mode="floor"), k + step * i, end - step * (b - 1 - i)).float()
+    return ((value.round().double() - 1) % L + 1).long()
 
 
 def _random_positions(count: Tensor, B: int, n: int, L: int, generator: torch.Generator,

@@ -13,8 +13,8 @@ Generation (one batch, fixed length L, `num_steps` steps, blocks of `block_lengt
                (m masked tokens over s steps: m // s each, the first m % s steps one more)
 
 Prompts of different lengths are left-padded (pad id) and the model attends only to their real tokens
-(`likelihood.model_logits`); positions after a completion's first EOS are left out of every likelihood
-term unless `score_after_eos` (`likelihood`, "Padding and EOS").
+(`likelihood.model_logits`; `attend_pads`: to the pads as well, as d1's code); positions after a completion's
+first EOS are left out of every likelihood term unless `score_after_eos` (`likelihood`, "Padding and EOS").
 
 Greedy decoding (T = 0, low_confidence) is deterministic: the same prompt gives the same completion.
 `argmax(logits / T + G)` is LLaDA's `argmax(exp(logits) / (-log U)^T)` written without overflow.
@@ -94,8 +94,10 @@ class MaskedDiffusionSampler:
 
     # ------------------------------------------------------------------ layout
     def attention(self, prompts: Tensor) -> Tensor | None:
-        """The prompts' padding mask [B, P] (True = real token), None when no row is padded."""
-        return prompt_attention(prompts, self.pad_token_id)
+        """The prompts' padding mask [B, P] (True = real token), None when no row is padded or under
+        `attend_pads` (d1's code: the model is called without a mask, pads attended), in generation and every
+        likelihood pass."""
+        return None if self.cfg.attend_pads else prompt_attention(prompts, self.pad_token_id)
 
     def valid(self, completion: Tensor) -> Tensor | None:
         """V [B, L]: completion positions up to the first EOS; None under `score_after_eos` (all scored)."""
@@ -180,7 +182,7 @@ class MaskedDiffusionSampler:
         `valid` positions: up to each completion's first EOS)."""
         c = self.cfg
         return draw_masks(c.estimator, batch_size, c.mc_samples, c.gen_length, prompt_length, c.prompt_mask_prob,
-                          generator, c.mask_scheme, c.block_length, valid)
+                          generator, c.mask_scheme, c.block_length, valid, c.stratified_batch_size)
 
     def log_prob(self, policy, batch: RolloutBatch, step: Tensor | int, entropy: bool = False) -> SequenceLogProb:
         """The estimator at MC sample(s) `step` (int or [B]) of each row, with the batch's stored masks:

@@ -15,6 +15,11 @@ eps = 0.5 and beta = 0.04 are d1's GSM8K settings. The learner's pieces are (mic
 piece's token mean is weighted by its share of the step's terms (b / n_terms), so the step's loss is the mean
 of the pieces' token means, as d1's gradient accumulation averages its micro-batches' means.
 Behaviour weight: multiplies A_i inside both arms of the clip.
+
+Padded prompts: d1's code calls the model with no attention mask (diffu-grpo's `get_logits`, the path of
+`_get_per_token_logps`, and `generate`), so its left-padded rows attend to the pad tokens; the per-token
+log-probs come from the sampler (`MaskedDiffusionSampler.log_prob`), which masks the pads by default and attends
+to them under `sampler.attend_pads: true` (d1's behaviour, for exact reproduction).
 """
 from __future__ import annotations
 
