@@ -197,3 +197,31 @@ def update_error(after: dict[str, torch.Tensor], reference: dict[str, torch.Tens
     num = sum(float(((after[k] - reference[k]).double() ** 2).sum()) for k in reference)
     den = sum(float(((reference[k] - start[k]).double() ** 2).sum()) for k in reference)
     return (num / den) ** 0.5
+
+
+def tiny_sd3_nft_learner(tmp_path: Path, settings: Any) -> tuple[Any, Any]:
+    """A DiffusionNFT learner (`settings`) on a tiny random SD3 pipeline with LoRA, and one batch sampled from it,
+    rewarded by its mean latent."""
+    from safetensors.torch import load_file
+
+    from steadyrl.services.config import load_config
+    from steadyrl.services.runtime import free_port, set_rank_env
+    from steadyrl.services.testbeds import build_testbed
+    from steadyrl.trainer.builders import build_deepspeed_learner
+    from tests.tiny_models import save_tiny_sd3_pipeline
+
+    set_rank_env(free_port())
+    path = save_tiny_sd3_pipeline(tmp_path / "sd3")
+    tb = build_testbed(load_config(None, [
+        "testbed.name=text_to_image", f"testbed.pretrained={path}", "testbed.prompts.train=tiny",
+        "testbed.prompts.prompts_per_step=2", "sampler.num_steps=4", "sampler.group_size=3",
+        "sampler.kind=flow_sde", "sampler.shift=3.0", "objective.name=diffusion_nft.code"]))
+    policy = tb.build_policy(load_file(str(tb.base_weights(progress=False))))
+    sampler = tb.build_sampler()
+    prompts, offset = tb.train_prompts(0, 2, 0)
+    batch = tb.sample(sampler, policy, prompts, 3, torch.Generator().manual_seed(0), group_offset=offset)
+    batch = batch.replace(rewards=batch.samples.mean(dim=tuple(range(1, batch.samples.dim()))).unsqueeze(1),
+                          reward_names=["r"], reward_key="r")
+    learner = build_deepspeed_learner(policy, sampler, settings,
+                                      LearnerConfig(lr=1e-2, micro_batch_size=6, inner_epochs=1))
+    return learner, batch

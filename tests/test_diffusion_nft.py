@@ -20,7 +20,8 @@ from steadyrl.trainer.objectives import TermInputs, build_objective
 from steadyrl.trainer.objectives.diffusion_nft import (DiffusionNFTCodeSettings, DiffusionNFTPaperSettings,
                                                        old_decay)
 from steadyrl.trainer.terms import ForwardProcessTerms, term_producer
-from tests.helpers import IMAGE_FAMILIES, TINY_UNET, brightness_batch, make_image_learner, masked_sampler
+from tests.helpers import (IMAGE_FAMILIES, TINY_UNET, brightness_batch, make_image_learner, masked_sampler,
+                           tiny_sd3_nft_learner)
 
 SETTINGS = {"code": DiffusionNFTCodeSettings, "paper": DiffusionNFTPaperSettings}
 
@@ -324,28 +325,7 @@ def test_config_refuses_a_sampler_without_clean_velocity_samples_by_name():
 def test_one_update_on_a_tiny_sd3_lora_policy_moves_the_adapters_and_the_old_copy(tmp_path):
     """The text-to-image flow policy (tiny random SD3 pipeline, LoRA): the same velocity seam, the old copy holds
     the adapters only, and after one update old = d old_0 + (1 - d) theta with d = 0.001."""
-    from safetensors.torch import load_file
-
-    from steadyrl.services.config import load_config
-    from steadyrl.services.testbeds import build_testbed
-    from steadyrl.trainer.builders import build_deepspeed_learner
-    from steadyrl.trainer.config import LearnerConfig
-    from tests.tiny_models import save_tiny_sd3_pipeline
-
-    set_rank_env(free_port())
-    path = save_tiny_sd3_pipeline(tmp_path / "sd3")
-    tb = build_testbed(load_config(None, [
-        "testbed.name=text_to_image", f"testbed.pretrained={path}", "testbed.prompts.train=tiny",
-        "testbed.prompts.prompts_per_step=2", "sampler.num_steps=4", "sampler.group_size=3",
-        "sampler.kind=flow_sde", "sampler.shift=3.0", "objective.name=diffusion_nft.code"]))
-    policy = tb.build_policy(load_file(str(tb.base_weights(progress=False))))
-    sampler = tb.build_sampler()
-    prompts, offset = tb.train_prompts(0, 2, 0)
-    batch = tb.sample(sampler, policy, prompts, 3, torch.Generator().manual_seed(0), group_offset=offset)
-    batch = batch.replace(rewards=batch.samples.mean(dim=tuple(range(1, batch.samples.dim()))).unsqueeze(1),
-                          reward_names=["r"], reward_key="r")
-    learner = build_deepspeed_learner(policy, sampler, DiffusionNFTCodeSettings(),
-                                      LearnerConfig(lr=1e-2, micro_batch_size=6, inner_epochs=1))
+    learner, batch = tiny_sd3_nft_learner(tmp_path, DiffusionNFTCodeSettings())
     before = learner.weights()
     metrics = learner.update(batch)
     after = learner.weights()

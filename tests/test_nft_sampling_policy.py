@@ -8,37 +8,12 @@ import torch
 from safetensors.torch import load_file
 
 from steadyrl.services.config import CONFIG_DIR, load_config
-from steadyrl.services.runtime import free_port, set_rank_env
 from steadyrl.trainer.objectives.diffusion_nft import DiffusionNFTCodeSettings
-from tests.helpers import computed_metrics, train_local
+from tests.helpers import computed_metrics, tiny_sd3_nft_learner, train_local
 
 NFT = CONFIG_DIR / "digits-flow-nft.yaml"
 SHORT = ["run.steps=2", "run.eval_every=2", "run.checkpoint_every=2", "sampler.group_size=4",
          "testbed.eval_samples_per_class=2", "learner.micro_batch_size=20", "learner.inner_epochs=1"]
-
-
-def tiny_sd3_lora_learner(tmp_path, settings: DiffusionNFTCodeSettings):
-    """A tiny random SD3 pipeline with LoRA, its learner and one scored batch from it."""
-    from steadyrl.services.testbeds import build_testbed
-    from steadyrl.trainer.builders import build_deepspeed_learner
-    from steadyrl.trainer.config import LearnerConfig
-    from tests.tiny_models import save_tiny_sd3_pipeline
-
-    set_rank_env(free_port())
-    path = save_tiny_sd3_pipeline(tmp_path / "sd3")
-    tb = build_testbed(load_config(None, [
-        "testbed.name=text_to_image", f"testbed.pretrained={path}", "testbed.prompts.train=tiny",
-        "testbed.prompts.prompts_per_step=2", "sampler.num_steps=4", "sampler.group_size=3",
-        "sampler.kind=flow_sde", "sampler.shift=3.0", "objective.name=diffusion_nft.code"]))
-    policy = tb.build_policy(load_file(str(tb.base_weights(progress=False))))
-    sampler = tb.build_sampler()
-    prompts, offset = tb.train_prompts(0, 2, 0)
-    batch = tb.sample(sampler, policy, prompts, 3, torch.Generator().manual_seed(0), group_offset=offset)
-    batch = batch.replace(rewards=batch.samples.mean(dim=tuple(range(1, batch.samples.dim()))).unsqueeze(1),
-                          reward_names=["r"], reward_key="r")
-    learner = build_deepspeed_learner(policy, sampler, settings,
-                                      LearnerConfig(lr=1e-2, micro_batch_size=6, inner_epochs=1))
-    return learner, batch
 
 
 def equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
@@ -48,7 +23,7 @@ def equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
 def test_lora_learner_publishes_the_old_adapters_for_sampling(tmp_path):
     """Before the first update the old copy is the policy; after it old = d old_0 + (1 - d) theta (d = 0.001) and
     the sampling weights are exactly those adapters, not the trained ones."""
-    learner, batch = tiny_sd3_lora_learner(tmp_path, DiffusionNFTCodeSettings())
+    learner, batch = tiny_sd3_nft_learner(tmp_path, DiffusionNFTCodeSettings())
     start = learner.weights()
     assert equal(learner.sampling_weights(), start)
     learner.update(batch)
@@ -61,7 +36,7 @@ def test_lora_learner_publishes_the_old_adapters_for_sampling(tmp_path):
 
 
 def test_sample_with_current_publishes_the_trained_adapters(tmp_path):
-    learner, batch = tiny_sd3_lora_learner(tmp_path, DiffusionNFTCodeSettings(sample_with="current"))
+    learner, batch = tiny_sd3_nft_learner(tmp_path, DiffusionNFTCodeSettings(sample_with="current"))
     learner.update(batch)
     assert equal(learner.sampling_weights(), learner.weights())
 
