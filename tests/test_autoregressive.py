@@ -168,7 +168,7 @@ def test_a_sequence_level_behaviour_weight_applies_per_row_in_per_term_objective
      "testbed.pretrain.iterations=3"],
     ["testbed.task=file", "testbed.file.task_file=arith_addition"],  # the default base (shared with the e2e run)
 ])
-def test_the_causal_lm_trains_on_every_arith_task_through_the_product_loop(task, tmp_path):
+def test_the_causal_lm_runs_every_arith_task_through_the_product_loop_with_an_exact_recompute(task, tmp_path):
     """Synthetic sudoku (a base of a few iterations) and a task file (the default base, whose rewards differ within
     groups, so it takes gradient steps), each sampled, verified and updated by the local runtime of `steadyrl
     train` (the Ray path: tests/test_e2e_arith_ar.py)."""

@@ -81,7 +81,7 @@ def test_the_verifier_app_scores_text_and_token_ids_over_http(ray_cluster, serve
                                              ("arith-stabledrl-code", "stabledrl/weight_max"),
                                              ("arith-bgpo", "bgpo/bound_mean"),
                                              ("arith-grpo-d1", "policy/clip_frac")])
-def test_every_dllm_preset_trains(preset, own_key, tmp_path):
+def test_every_dllm_preset_takes_two_gradient_steps_with_its_own_finite_metrics(preset, own_key, tmp_path):
     """Each preset's objective through its testbed, sampler and DeepSpeed learner (the local runtime: the Ray
     path is the GRPO run above, and the presets differ from it only in what the learner computes)."""
     result, rows = train_local(CONFIG_DIR / f"{preset}.yaml", tmp_path / "run", ["run.steps=2", "testbed.eval_problems=20"])

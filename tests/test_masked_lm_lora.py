@@ -105,7 +105,7 @@ def test_activation_checkpointing_gives_the_same_lora_gradient():
     assert norms[0] > 0 and norms[1] == pytest.approx(norms[0], rel=1e-6)
 
 
-def test_the_arith_testbed_trains_lora_adapters_through_the_loop(tmp_path):
+def test_the_arith_loop_takes_lora_gradient_steps_and_checkpoints_only_the_adapters(tmp_path):
     result, rows = train_local(CONFIG_DIR / "arith-grpo.yaml", tmp_path / "run",
                                ["testbed.lora.rank=4", "run.steps=2", "run.checkpoint_every=2",
                                 "testbed.eval_problems=20"])
