@@ -108,8 +108,8 @@ class LearnerGroup:
         return self._all([a.update.remote(*batch_refs, controls=controls) for a in self.actors])
 
     def sampling_weights(self) -> ray.ObjectRef:
-        """Rank 0's tensors to sample with (`Learner.sampling_weights`), left in the object store (under ZeRO-3 every rank takes part in the
-        gather); waited for, so a learner that dies here is named, but not fetched."""
+        """Rank 0's tensors to sample with (`Learner.sampling_weights`), left in the object store (under ZeRO-3
+        every rank takes part in the gather); waited for, so a learner that dies here is named, but not fetched."""
         refs = [a.sampling_weights.remote() for a in self.gathering]
         wait_all([(self._name(r), ref) for r, ref in enumerate(refs)], self.timeout_s, check=False)
         return refs[0]
