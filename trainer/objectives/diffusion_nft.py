@@ -22,13 +22,14 @@ and the optimality r in [0, 1] of each sample; they differ in r's normaliser and
 `batch.advantages` holds A_c; `loss` maps it to r. The old policy is the objective's copy of the sampling policy
 (`old_network`: the live network called with its own trained tensors, `AdapterReference`): the rollouts sample with
 it (`sampling_state`, `sample_with` "old"; theirs switches the transformer to its "old" adapter to sample, and back
-to "default" to train and evaluate), it is checkpointed in the objective state and moved after each update by
-old <- d old + (1 - d) theta with the authors' linear schedule d(g) = min(max(g - flat, 0) * rate, max) (their
-`return_decay`; defaults: `decay_type` 1 of config/nft.py, flat 0, rate 0.001, max 0.5), g = optimiser steps done, this update's included, as theirs: they move the old model once per
-epoch, after its last optimizer.step, by d = return_decay(global_step), global_step += 1 per optimizer.step. g is
-counted in `step_done` (a step skipped for a non-finite gradient too, as their GradScaler-skipped steps count) and
-kept in the objective state, so their flat, rate and max copy as written whatever the optimiser steps per update
-(`learner.inner_epochs` x ceil(micro-batches / `micro_per_optim_step`); their sd3_ocr config: 2 per epoch).
+to "default" to train and evaluate), it is checkpointed in the objective state and moved after each update by old <-
+d old + (1 - d) theta with the authors' linear schedule d(g) = min(max(g - flat, 0) * rate, max) (their
+`return_decay`; defaults: `decay_type` 1 of config/nft.py, flat 0, rate 0.001, max 0.5), g = optimiser steps done,
+this update's included, as theirs: they move the old model once per epoch, after its last optimizer.step, by d =
+return_decay(global_step), global_step += 1 per optimizer.step. g is counted in `step_done` (a step skipped for a
+non-finite gradient too, as their GradScaler-skipped steps count) and kept in the objective state, so their flat,
+rate and max copy as written whatever the optimiser steps per update (`learner.inner_epochs` x ceil(micro-batches /
+`micro_per_optim_step`); their sd3_ocr config: 2 per epoch).
 """
 from __future__ import annotations
 
