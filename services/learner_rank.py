@@ -36,6 +36,10 @@ class LearnerRank:
         metrics["timing_s/update"] = time.perf_counter() - t0
         return metrics
 
+    def weights(self) -> dict[str, torch.Tensor]:
+        """The trained tensors (`Learner.weights`)."""
+        return self.learner.weights()
+
     def sampling_weights(self) -> dict[str, torch.Tensor]:
         """What the rollout workers sample with (`Learner.sampling_weights`)."""
         return self.learner.sampling_weights()
