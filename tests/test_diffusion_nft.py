@@ -336,15 +336,20 @@ def test_one_update_on_a_tiny_sd3_lora_policy_moves_the_adapters_and_the_old_cop
         torch.testing.assert_close(v.cpu(), 0.001 * before[k] + 0.999 * after[k])
 
 
-def test_a_resumed_learner_continues_exactly_with_the_old_copy_from_its_checkpoint(tmp_path):
-    """save after one update, load into a fresh learner: the next update gives the same weights and old copy."""
+def resumed_pair(tmp_path, cfg: DiffusionNFTCodeSettings):
+    """A learner after one update, saved, and a fresh learner (another seed) loaded from its checkpoint."""
     set_rank_env(free_port())
-    cfg = DiffusionNFTCodeSettings(decay_rate=0.2)
     first = make_image_learner(IMAGE_FAMILIES["flow_sde"], cfg, micro_batch_size=12)
     first.update(brightness_batch(first, 0))
     first.save(tmp_path / "ckpt")
     second = make_image_learner(IMAGE_FAMILIES["flow_sde"], cfg, micro_batch_size=12, seed=5)
     second.load(tmp_path / "ckpt")
+    return first, second
+
+
+def test_a_resumed_learner_continues_exactly_with_the_old_copy_from_its_checkpoint(tmp_path):
+    """save after one update, load into a fresh learner: the next update gives the same weights and old copy."""
+    first, second = resumed_pair(tmp_path, DiffusionNFTCodeSettings(decay_rate=0.2))
     batch = brightness_batch(first, 1)
     first.update(batch)
     second.update(batch)
@@ -377,13 +382,7 @@ def test_the_learner_counts_every_optimiser_step_of_an_update_in_the_old_policy_
 def test_a_resumed_learner_keeps_the_optimiser_step_count_when_the_steps_per_update_change(tmp_path):
     """Two optimiser steps in the first update, one in the next (a smaller batch): the resumed learner's g is 3, as the
     one that went straight through, not 2 (its update count times its steps per update)."""
-    set_rank_env(free_port())
-    cfg = DiffusionNFTCodeSettings(decay_rate=0.1)
-    first = make_image_learner(IMAGE_FAMILIES["flow_sde"], cfg, micro_batch_size=12)
-    first.update(brightness_batch(first, 0))
-    first.save(tmp_path / "ckpt")
-    second = make_image_learner(IMAGE_FAMILIES["flow_sde"], cfg, micro_batch_size=12, seed=5)
-    second.load(tmp_path / "ckpt")
+    first, second = resumed_pair(tmp_path, DiffusionNFTCodeSettings(decay_rate=0.1))
     batch = brightness_batch(first, 1, n_per_class=3)
     a, b = first.update(batch), second.update(batch)
     assert a["nft/optimiser_steps"] == b["nft/optimiser_steps"] == 3.0
