@@ -31,7 +31,7 @@ def one_run(config: str, overrides: list[str], steps: int, runtime: str = "local
     evaluations."""
     with tempfile.TemporaryDirectory() as tmp:
         run = Path(tmp) / "run"
-        cmd = [sys.executable, "-m", "steadyrl.services.cli", "train", config, f"run.runtime={runtime}",
+        cmd = [sys.executable, "-m", "steadyrl.services.driver.cli", "train", config, f"run.runtime={runtime}",
                f"run.steps={steps}", f"run.eval_every={steps}", f"run.checkpoint_every={steps}", f"run.run_dir={run}",
                "run.progress=false", "serve.port=0", *overrides]
         done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)

@@ -41,10 +41,10 @@ from services_overhead import cpu_by_role, process_tree_cpu  # noqa: E402
 from steadyrl.rollout.batch import POLICY_VERSION  # noqa: E402
 from steadyrl.rollout.numerics import using_threads  # noqa: E402
 from steadyrl.services.config import load_config  # noqa: E402
-from steadyrl.services.learner_rank import LearnerRank  # noqa: E402
-from steadyrl.services.local import LocalScorer  # noqa: E402
-from steadyrl.services.rank_env import free_port, torch_threads  # noqa: E402
-from steadyrl.services.rollouts import Rollouts  # noqa: E402
+from steadyrl.services.runtime.learner_rank import LearnerRank  # noqa: E402
+from steadyrl.services.runtime.local_runtime import LocalScorer  # noqa: E402
+from steadyrl.services.runtime.rank_env import free_port, torch_threads  # noqa: E402
+from steadyrl.services.runtime.rollouts import Rollouts  # noqa: E402
 from steadyrl.services.testbeds import build_testbed  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results" / "actor_update.json"
@@ -85,8 +85,8 @@ def main() -> None:
 
     import ray
 
-    from steadyrl.services.learner_group import LearnerGroup
-    from steadyrl.services.runtime import init_ray, start_serve
+    from steadyrl.services.runtime.learner_group import LearnerGroup
+    from steadyrl.services.runtime.ray_session import init_ray, start_serve
     from steadyrl.services.serving.app import deploy_reward_app
 
     init_ray(None, cfg.ray.num_cpus, cfg.ray.local_network, cfg.ray.worker_niceness)

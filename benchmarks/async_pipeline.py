@@ -23,8 +23,8 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from steadyrl.services.controller import train  # noqa: E402
-from steadyrl.services.report import read_metrics  # noqa: E402
+from steadyrl.services.driver.controller import train  # noqa: E402
+from steadyrl.services.run_folder.metrics import read_metrics  # noqa: E402
 
 MODES = {"sync": 0, "async": 1}
 PHASES = ("rollout", "reward", "update", "sync")

@@ -5,7 +5,7 @@ the local runtime, side by side.
         -> benchmarks/results/colocated_rewards.json
 
 Runs rotate (per-model, colocated, local, then the next repeat starting one further on), each
-`python -m steadyrl.services.job configs/digits-grpo.yaml` in a fresh process with the product's default threads
+`python -m steadyrl.services.driver.job configs/digits-grpo.yaml` in a fresh process with the product's default threads
 (`benchmarks/services_overhead.run_job`). `per-model` is `serve.colocate_models=false` (one Serve replica per
 reward model plus the ensemble's: 5), `colocated` is `true` (the ensemble's replica hosts the 4 models). The first
 `--warmup` steps are dropped (Ray's and Serve's start-up work runs into the first steps). Per run: the median step

@@ -38,8 +38,8 @@ def one_run(label: str, method: str, seed: int, overrides: list[str], run_dir: P
             ) -> dict[str, Any]:
     """One (variant, seed) run of the product loop in this process; `label` names the variant in tables and
     plots. Its rows end at the first step whose update was not finite (`stopped_at`: a collapse)."""
-    from steadyrl.services.controller import train
-    from steadyrl.services.report import read_metrics
+    from steadyrl.services.driver.controller import train
+    from steadyrl.services.run_folder.metrics import read_metrics
 
     t0 = time.perf_counter()
     result = train(preset(method), [f"run.seed={seed}", "ray.torch_threads=1", *overrides, "run.runtime=local",

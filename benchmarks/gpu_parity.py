@@ -42,8 +42,8 @@ def first_step(cfg: Any, device: str, reference: Any | None = None) -> dict[str,
     from safetensors.torch import load_file
 
     from steadyrl.rollout.policy import trainable_state
-    from steadyrl.services.local import LocalLearner, LocalScorer
-    from steadyrl.services.rollouts import Rollouts
+    from steadyrl.services.runtime.local_runtime import LocalLearner, LocalScorer
+    from steadyrl.services.runtime.rollouts import Rollouts
     from steadyrl.services.testbeds import build_testbed
     from steadyrl.trainer.recompute import recompute_old
 

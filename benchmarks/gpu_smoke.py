@@ -182,8 +182,8 @@ def run_nccl() -> dict[str, Any]:
     import torch
     import torch.distributed as dist
 
-    from steadyrl.services.rank_env import free_port
-    from steadyrl.trainer.weight_broadcast import WeightBroadcastGroup
+    from steadyrl.rollout.weight_broadcast import WeightBroadcastGroup
+    from steadyrl.services.runtime.rank_env import free_port
 
     store = dist.TCPStore("127.0.0.1", free_port(), 1, is_master=True)
     dist.init_process_group("nccl", store=store, rank=0, world_size=1)

@@ -26,6 +26,6 @@ if [[ -d $WHEELS ]]; then
 else
   echo "no wheel folder $WHEELS: using the packages this Python has"
 fi
-"$PY" -c "import steadyrl.services.local" \
+"$PY" -c "import steadyrl.services.runtime.local_runtime" \
   || { echo "error: steadyrl's local runtime does not import (above): a wheel is missing from $WHEELS" >&2; exit 2; }
 exec "$PY" -m benchmarks.gpu_smoke "$@"

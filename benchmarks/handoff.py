@@ -5,7 +5,7 @@ bytes and time, full weights vs LoRA. One process, one local Ray, every figure m
     python benchmarks/handoff.py --quick         # smoke scale (2 steps, small groups, 3 repeats)
 
 a. driver: a Ray run of the default config (configs/digits-grpo.yaml) through `controller.train`; per step the
-   `handoff/*` metrics (`services.driver_bytes`) against the step's sample-tensor bytes (samples nbytes, from the
+   `handoff/*` metrics (`services.runtime.driver_bytes`) against the step's sample-tensor bytes (samples nbytes, from the
    config) and batch bytes (what the learner received by reference). The evaluations' fetches (worker 0's
    grid of samples and summary) are counted apart (`DRIVER_FETCHES.evaluations`).
 b. object store: a tensor made by actor A, returned from its method (the path a batch takes) and fetched by actor B,
@@ -37,10 +37,10 @@ import torch  # noqa: E402
 
 from steadyrl.rollout.digits import NUM_CLASSES  # noqa: E402
 from steadyrl.services.config import CONFIG_DIR, load_config  # noqa: E402
-from steadyrl.services.controller import train  # noqa: E402
-from steadyrl.services.driver_bytes import DRIVER_FETCHES  # noqa: E402
-from steadyrl.services.report import read_metrics  # noqa: E402
-from steadyrl.services.runtime import init_ray  # noqa: E402
+from steadyrl.services.driver.controller import train  # noqa: E402
+from steadyrl.services.run_folder.metrics import read_metrics  # noqa: E402
+from steadyrl.services.runtime.driver_bytes import DRIVER_FETCHES  # noqa: E402
+from steadyrl.services.runtime.ray_session import init_ray  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"
 DEFAULT = CONFIG_DIR / "digits-grpo.yaml"

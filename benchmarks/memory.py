@@ -8,7 +8,7 @@
 
 Two jobs: `digits` (configs/digits-grpo.yaml, the default job) and `sd3` (a tiny random SD3-style pipeline with
 LoRA adapters and a tiny CLIP reward, as benchmarks/gpu_check.py's `tiny_overrides("sd3", ...)` builds them).
-Every run is the product loop (`steadyrl.services.controller.train`) in a fresh subprocess (this file with
+Every run is the product loop (`steadyrl.services.driver.controller.train`) in a fresh subprocess (this file with
 `--driver`), on CPU, `ray.torch_threads=1`, evaluation and checkpoints only where the loop forces them.
 
 1. Processes (`--parts processes`). A run through Ray (`run.runtime=ray`; `--sd3-runtime local` runs the sd3 job
@@ -255,7 +255,7 @@ def driver_cmd(overrides: list[str], report: Path | None = None) -> list[str]:
 def run_driver(overrides: list[str], report: Path | None) -> None:
     """One run of the product loop in this process (with --report: its updates measured, written there)."""
     sys.path.insert(0, str(ROOT))
-    from steadyrl.services.controller import train
+    from steadyrl.services.driver.controller import train
 
     records, flags = measure_updates() if report else ([], {})
     config = overrides.pop(0) if overrides and "=" not in overrides[0] else None

@@ -124,7 +124,7 @@ def main() -> None:
 
     from steadyrl.rollout.digits import digit_splits, load_digits_tensors
     from steadyrl.services.config import ServeConfig
-    from steadyrl.services.runtime import init_ray, start_serve
+    from steadyrl.services.runtime.ray_session import init_ray, start_serve
 
     images, labels = load_digits_tensors()
     test = digit_splits().test

@@ -11,7 +11,7 @@ SD1.5's layout without safety checker; SD3's without T5), at the pipeline's nati
 the prompts are the preset's own prompt set (animals, scenes). `--real` keeps the preset's own model and resolution
 (the hub weights must be in the local cache; with `--dtype bfloat16` as the presets, on a GPU).
 
-- ours:  `Rollouts.generate` (services/rollouts.py, what a rollout worker runs for one batch) with a scorer that
+- ours:  `Rollouts.generate` (services/runtime/rollouts.py, what a rollout worker runs for one batch) with a scorer that
          returns zeros: the prompts' embeddings (the pipeline's `encode_prompt`, negative prompt included), the
          sampler with classifier-free guidance, every step's Gaussian mean, noise and log-prob and the trajectory
          copied to the CPU, the VAE decode of the final latents (in chunks of `testbed.decode_batch`), the batch's
@@ -53,7 +53,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from figures import median_interval  # noqa: E402
 from steadyrl.services.config import RayConfig  # noqa: E402
-from steadyrl.services.malloc import keep_freed_memory  # noqa: E402
+from steadyrl.services.runtime.malloc import keep_freed_memory  # noqa: E402
 
 PRESETS = {"sd15": ("configs/sd15-grpo.yaml", "save_tiny_sd_pipeline"),
            "sd35": ("configs/sd35-grpo.yaml", "save_tiny_sd3_pipeline")}
@@ -93,7 +93,7 @@ def measure(name: str, repeats: int, device: str, dtype: str, overrides: list[st
     from safetensors.torch import load_file
 
     from steadyrl.services.config import load_config
-    from steadyrl.services.rollouts import Rollouts
+    from steadyrl.services.runtime.rollouts import Rollouts
     from steadyrl.services.testbeds import build_testbed
     from tests import tiny_models
 

@@ -31,8 +31,8 @@ PHASES = ("rollout", "reward", "collect", "update", "sync", "step")
 
 def run_variant(config: str | None, variant: dict[str, int], steps: int, run_dir: Path) -> dict[str, Any]:
     """One short run of the product loop through Ray; mean seconds per phase over steps 2..steps, samples per step."""
-    from steadyrl.services.controller import train
-    from steadyrl.services.report import read_metrics
+    from steadyrl.services.driver.controller import train
+    from steadyrl.services.run_folder.metrics import read_metrics
 
     result = train(config, [
         f"run.steps={steps}", f"run.run_dir={run_dir}", "run.progress=false", f"run.eval_every={steps}",

@@ -381,7 +381,7 @@ def main() -> None:
 
     from steadyrl.rollout.digits import digit_splits, load_digits_tensors
     from steadyrl.services.config import ServeConfig, load_config
-    from steadyrl.services.runtime import init_ray, start_serve
+    from steadyrl.services.runtime.ray_session import init_ray, start_serve
     from steadyrl.services.serving import deploy_reward_app
     from steadyrl.services.testbeds import build_testbed
 

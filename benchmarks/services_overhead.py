@@ -3,7 +3,7 @@
     python benchmarks/services_overhead.py [--repeats 3] [--steps 8] [--warmup 1] [--out ...] [key=value ...]
 
 Runs alternate (ray, local, ray, local, ...), `--repeats` pairs of `--steps` steps of configs/digits-grpo.yaml,
-each `python -m steadyrl.services.job` (the CLI) in its own process with the product's default threads
+each `python -m steadyrl.services.driver.job` (the CLI) in its own process with the product's default threads
 (`ray.torch_threads` None: every core in each actor, and in the local process, since the default loop does not
 pipeline; `key=value` overrides apply to both runtimes). The first `--warmup` steps of each run are dropped (Ray's
 and Serve's own start-up work runs into the first steps). Per run: the median step and its breakdown
@@ -44,11 +44,11 @@ def run_job(runtime: str, steps: int, overrides: list[str] = (), config: str = C
             env: dict[str, str] | None = None) -> dict[str, Any]:
     """One run of the CLI in a child process; its per-step timings from metrics.jsonl and its start-up
     (process start to the first step's start: the first row's arrival less that step's `timing_s/step`)."""
-    from steadyrl.services.report import read_metrics
+    from steadyrl.services.run_folder.metrics import read_metrics
 
     with tempfile.TemporaryDirectory(prefix="steadyrl-overhead-") as tmp:
         run_dir = Path(tmp) / "run"
-        cmd = [sys.executable, "-m", "steadyrl.services.job", config, f"run.runtime={runtime}",
+        cmd = [sys.executable, "-m", "steadyrl.services.driver.job", config, f"run.runtime={runtime}",
                f"run.steps={steps}", f"run.run_dir={run_dir}", "run.progress=false", f"run.eval_every={steps}",
                f"run.checkpoint_every={steps}", "serve.port=0", *overrides]
         log = open(Path(tmp) / "job.log", "w")

@@ -9,8 +9,8 @@ Each repeat measures both trees, alternating which goes first. The baseline runs
 own `steadyrl` modules (a PYTHONPATH overlay of its rollout/, reward/, trainer/ and services/ folders, which Ray's
 workers inherit). Per tree and repeat:
 - import seconds of each process's entry module, each in a fresh interpreter: the CLI (`steadyrl --help`), the
-  driver (`services.controller`), a Serve reward replica (`services.serving.deployments`), a rollout worker
-  (`services.actors`) and a learner rank (`services.learner_group`);
+  driver (`services.driver.controller`), a Serve reward replica (`services.serving.deployments`), a rollout worker
+  (`services.runtime.actors`) and a learner rank (`services.runtime.learner_group`);
 - `steadyrl --help`'s wall;
 - the default job (configs/digits-grpo.yaml, `--steps` steps, on its own local Ray): its start-up, process start
   to the first step's start (imports, Ray, Serve, the actors, the reward app, the step-0 evaluation), and its wall
@@ -34,9 +34,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from figures import spread, write_json  # noqa: E402
 from services_overhead import ROOT, run_job  # noqa: E402
 
-ENTRY_MODULES = {"cli": "steadyrl.services.cli", "driver": "steadyrl.services.controller",
+ENTRY_MODULES = {"cli": "steadyrl.services.driver.cli", "driver": "steadyrl.services.driver.controller",
                  "reward_replica": "steadyrl.services.serving.deployments",
-                 "rollout_worker": "steadyrl.services.actors", "learner": "steadyrl.services.learner_group"}
+                 "rollout_worker": "steadyrl.services.runtime.actors", "learner": "steadyrl.services.runtime.learner_group"}
 PACKAGES = ("rollout", "reward", "trainer", "services")
 
 
@@ -63,7 +63,7 @@ def head_commit(checkout: Path) -> str:
 def measure(env: dict[str, str], steps: int) -> dict[str, Any]:
     """One repeat of one tree."""
     imports = {role: timed([sys.executable, "-c", f"import {module}"], env) for role, module in ENTRY_MODULES.items()}
-    cli_help = timed([sys.executable, "-c", "from steadyrl.services.cli import app; app(['--help'])"], env)
+    cli_help = timed([sys.executable, "-c", "from steadyrl.services.driver.cli import app; app(['--help'])"], env)
     job = run_job("ray", steps, env=env)
     return {"import_s": imports, "cli_help_s": cli_help, "job_startup_s": job["startup_s"], "job_wall_s": job["wall_s"],
             "job_step_s_median": job["step_s_median"]}
@@ -77,7 +77,7 @@ def main() -> None:
     ap.add_argument("--out", default="benchmarks/results/startup.json")
     args = ap.parse_args()
     if not (args.baseline / "services" / "cli.py").is_file():
-        raise SystemExit(f"--baseline {args.baseline}: not a steadyrl checkout (no services/cli.py)")
+        raise SystemExit(f"--baseline {args.baseline}: not a steadyrl checkout (no services/driver/cli.py)")
     runs: dict[str, list[dict[str, Any]]] = {"this": [], "baseline": []}
     with tempfile.TemporaryDirectory(prefix="steadyrl-baseline-") as tmp:
         envs = {"this": {}, "baseline": overlay(args.baseline, Path(tmp))}

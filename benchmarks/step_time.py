@@ -13,8 +13,8 @@ import statistics
 import tempfile
 from pathlib import Path
 
-from steadyrl.services.controller import train
-from steadyrl.services.report import read_metrics
+from steadyrl.services.driver.controller import train
+from steadyrl.services.run_folder.metrics import read_metrics
 
 PHASES = ("rollout", "reward", "update", "sync")
 

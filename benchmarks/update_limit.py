@@ -3,7 +3,7 @@
     python benchmarks/update_limit.py [--repeats 9] [--config configs/digits-grpo.yaml]
         -> benchmarks/results/update_limit.json
 
-Each repeat samples one batch with the product's rollout code (`services.rollouts.Rollouts`, scored by the
+Each repeat samples one batch with the product's rollout code (`services.runtime.rollouts.Rollouts`, scored by the
 in-process reward ensemble) at the learner's current weights, then times on that batch, in rotating order:
 
 - ours, recompute:  `LearnerRank.update` (the DeepSpeed engine, objective, term producer, health panel) with the
@@ -41,10 +41,10 @@ from steadyrl.rollout.batch import POLICY_VERSION  # noqa: E402
 from steadyrl.rollout.numerics import using_threads  # noqa: E402
 from steadyrl.rollout.policy import load_trainable_state, trainable_state  # noqa: E402
 from steadyrl.services.config import load_config  # noqa: E402
-from steadyrl.services.learner_rank import LearnerRank  # noqa: E402
-from steadyrl.services.local import LocalScorer  # noqa: E402
-from steadyrl.services.rank_env import free_port, torch_threads  # noqa: E402
-from steadyrl.services.rollouts import Rollouts  # noqa: E402
+from steadyrl.services.runtime.learner_rank import LearnerRank  # noqa: E402
+from steadyrl.services.runtime.local_runtime import LocalScorer  # noqa: E402
+from steadyrl.services.runtime.rank_env import free_port, torch_threads  # noqa: E402
+from steadyrl.services.runtime.rollouts import Rollouts  # noqa: E402
 from steadyrl.services.testbeds import build_testbed  # noqa: E402
 from steadyrl.trainer.distributed import micro_batch_count, split_into  # noqa: E402
 

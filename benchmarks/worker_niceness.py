@@ -7,7 +7,7 @@ Ray starts its workers (rollout and learner actors, Serve replicas) at the drive
 otherwise (`ray.worker_niceness`); the driver, which only waits on them, keeps its own. Conditions, alternated in
 each repeat: quiet machine at niceness 15 and 0, then `--load` busy Python processes (started and killed by this
 script, at its own niceness: the driver's) at worker niceness 15 and 0. Each run is
-`python -m steadyrl.services.job configs/digits-grpo.yaml run.runtime=ray ray.worker_niceness=N` in its own
+`python -m steadyrl.services.driver.job configs/digits-grpo.yaml run.runtime=ray ray.worker_niceness=N` in its own
 process (benchmarks/services_overhead.py's `run_job`, default threads), first step dropped. Figures: each repeat's
 ratios of the median step, load@15 / load@0, load@0 / quiet@0 and quiet@15 / quiet@0; their medians and min..max.
 A run that fails (a starved Serve proxy killed by its health check, a raylet that misses its start-up window) is

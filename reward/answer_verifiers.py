@@ -1,4 +1,4 @@
-"""Answer verifiers for task files (rollout/task_files.py): completion text in, a score in [0, 1] out; one
+"""Answer verifiers for task files (rollout/task_file_reader.py): completion text in, a score in [0, 1] out; one
 module per kind (math_answers.py, countdown_answers.py, sudoku_answers.py), dispatched here by a row.
 
   math       1 if the completion's final answer equals the gold answer numerically or symbolically
@@ -19,7 +19,7 @@ from typing import Literal
 from steadyrl.reward.countdown_answers import verify_countdown
 from steadyrl.reward.math_answers import verify_math
 from steadyrl.reward.sudoku_answers import verify_sudoku
-from steadyrl.rollout.task_files import TaskRow
+from steadyrl.rollout.task_file_reader import TaskRow
 
 Kind = Literal["math", "countdown", "sudoku"]
 

@@ -18,8 +18,8 @@ from safetensors.torch import load_file, save_file
 from torch import Tensor
 
 from steadyrl.rollout.cache import build_dir_atomically, build_key, cache_root, reproducible_build
-from steadyrl.rollout.config import StrictModel
 from steadyrl.rollout.digits import NUM_CLASSES, digit_splits, load_digits_tensors
+from steadyrl.rollout.settings_base import StrictModel
 
 Arch = Literal["cnn", "mlp", "linear", "wide_cnn"]
 

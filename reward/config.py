@@ -18,7 +18,7 @@ from steadyrl.reward.classifiers import ClassifierSpec, DigitClassifierReward, l
 from steadyrl.reward.ensemble_spec import EnsembleSpec
 from steadyrl.reward.factory import JpegSpec, RewardSpec, build_reward_model
 from steadyrl.reward.weighting import WEIGHTED, RewardWeighting
-from steadyrl.rollout.config import StrictModel
+from steadyrl.rollout.settings_base import StrictModel
 
 
 def _default_members() -> list[ClassifierSpec]:

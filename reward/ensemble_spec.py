@@ -13,7 +13,7 @@ from pydantic import Field, model_validator
 from steadyrl.reward.ensemble import RewardEnsemble
 from steadyrl.reward.factory import RewardSpec, build_reward_model
 from steadyrl.reward.weighting import WEIGHTED, RewardWeighting
-from steadyrl.rollout.config import StrictModel
+from steadyrl.rollout.settings_base import StrictModel
 
 
 class EnsembleSpec(StrictModel):

@@ -24,7 +24,7 @@ from steadyrl.reward.base import RewardModel
 from steadyrl.reward.classifiers import ClassifierSpec
 from steadyrl.reward.clip_models import DType
 from steadyrl.reward.verifiers import VerifierSpec
-from steadyrl.rollout.config import StrictModel
+from steadyrl.rollout.settings_base import StrictModel
 
 
 class JpegSpec(StrictModel):

@@ -7,8 +7,8 @@ from typing import Sequence
 from torch import Tensor
 
 from steadyrl.reward.answer_verifiers import verify_answer
-from steadyrl.rollout.file_task import FileTaskSettings, prompt_ids, rendered_prompt
-from steadyrl.rollout.task_files import TaskRow
+from steadyrl.rollout.task_file_dataset import FileTaskSettings, prompt_ids, rendered_prompt
+from steadyrl.rollout.task_file_reader import TaskRow
 from steadyrl.rollout.text_codec import TextCodec
 
 

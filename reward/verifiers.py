@@ -20,8 +20,8 @@ from torch import Tensor
 
 from steadyrl.reward.task_answers import TaskAnswers
 from steadyrl.rollout.arith import TOKENIZER, Task, parse_sudoku_prompt, sudoku_units_ok
-from steadyrl.rollout.file_task import FileTaskSettings
-from steadyrl.rollout.config import StrictModel
+from steadyrl.rollout.settings_base import StrictModel
+from steadyrl.rollout.task_file_dataset import FileTaskSettings
 from steadyrl.rollout.text_codec import TextCodec, load_codec
 
 FEATURE_BUCKETS = 1024

@@ -22,7 +22,7 @@ import torch
 from pydantic import Field, field_validator
 from torch import Tensor
 
-from steadyrl.rollout.config import StrictModel
+from steadyrl.rollout.settings_base import StrictModel
 
 WEIGHTED = "weighted"  # the `train_on` value and the training column's name
 WEIGHTING_KEY = "reward_weighting"  # batch.meta: the RewardWeighting the batch's rewards were combined with

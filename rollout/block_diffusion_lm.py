@@ -18,8 +18,8 @@ import torch
 from pydantic import Field
 from torch import Tensor, nn
 
-from steadyrl.rollout.config import StrictModel
 from steadyrl.rollout.policy import load_tied_weights, lora_targets_by_type
+from steadyrl.rollout.settings_base import StrictModel
 
 # ids past the tokenizer's vocabulary that DiffusionGemma's config requires (image, begin- and end-of-image)
 IMAGE_TOKENS = 3

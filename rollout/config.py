@@ -3,13 +3,9 @@ from __future__ import annotations
 
 from typing import Annotated, Any, ClassVar, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator, model_validator
+from pydantic import Discriminator, Field, Tag, field_validator, model_validator
 
-
-class StrictModel(BaseModel):
-    """Base for all settings: unknown keys are errors, values are validated on assignment."""
-
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+from steadyrl.rollout.settings_base import StrictModel
 
 
 class UNetConfig(StrictModel):

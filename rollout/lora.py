@@ -11,8 +11,8 @@ from __future__ import annotations
 import torch
 from pydantic import Field
 
-from steadyrl.rollout.config import StrictModel
 from steadyrl.rollout.policy import AdaptableNetwork
+from steadyrl.rollout.settings_base import StrictModel
 
 
 class LoRAConfig(StrictModel):

@@ -11,8 +11,8 @@ import torch
 from pydantic import Field
 from torch import Tensor, nn
 
-from steadyrl.rollout.config import StrictModel
 from steadyrl.rollout.policy import check_lm_family, load_tied_weights, lora_targets_by_type
+from steadyrl.rollout.settings_base import StrictModel
 
 
 class MaskedLM(Protocol):

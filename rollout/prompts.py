@@ -26,8 +26,8 @@ import torch
 from pydantic import Field, field_validator
 from torch import Tensor
 
-from steadyrl.rollout.config import StrictModel
 from steadyrl.rollout.data_files import is_shipped_name, resolve_data_file, shipped_files
+from steadyrl.rollout.settings_base import StrictModel
 
 PROMPT_SETS_DIR = Path(__file__).resolve().parent / "prompt_sets"
 SUFFIXES = (".txt", ".jsonl")

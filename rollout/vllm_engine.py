@@ -7,7 +7,7 @@ The engine runs in the worker's own process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`)
                  `collective_rpc` (vLLM's worker-extension hook, as OpenRLHF and verl use it);
   broadcast      (`ray.weight_sync: collective`) vLLM's native weight-transfer API with a backend registered here,
                  `BroadcastWeightTransfer`: the engine's worker joins learner rank 0's broadcast group
-                 (`trainer.weight_broadcast`, gloo on the CPU, NCCL on GPUs) and receives the tensors itself
+                 (`rollout.weight_broadcast`, gloo on the CPU, NCCL on GPUs) and receives the tensors itself
                  (`init_weight_transfer_engine` once, then `start_weight_update` -> `update_weights` ->
                  `finish_weight_update` per sync).
 Either way the tensors are loaded with `model.load_weights` between vLLM's layerwise-reload brackets, which
@@ -118,7 +118,7 @@ def register_broadcast_transfer() -> str:
         update_info_cls = BroadcastUpdateInfo
 
         def init_transfer_engine(self, init_info: BroadcastInitInfo) -> None:
-            from steadyrl.trainer.weight_broadcast import WeightBroadcastGroup
+            from steadyrl.rollout.weight_broadcast import WeightBroadcastGroup
 
             self.group = WeightBroadcastGroup(init_info.master_address, init_info.master_port, init_info.rank,
                                               init_info.world_size, init_info.backend, init_info.timeout_s)

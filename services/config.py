@@ -9,9 +9,11 @@ import yaml
 
 from pydantic import Field, PrivateAttr, ValidationError, field_validator, model_validator
 
-from steadyrl.rollout.config import DEFAULT_SAMPLER_KIND, DDIMSamplerConfig, SamplerConfig, StrictModel
-from steadyrl.services.run_health import HealthConfig
+from steadyrl.rollout.config import DEFAULT_SAMPLER_KIND, DDIMSamplerConfig, SamplerConfig
+from steadyrl.rollout.settings_base import ConfigError, StrictModel  # noqa: F401 - ConfigError: raised here
 from steadyrl.services.testbeds.registry import DEFAULT_TESTBED, TESTBED_SETTINGS
+from steadyrl.trainer.anomaly import AnomalyConfig
+from steadyrl.trainer.collapse import RollbackConfig
 from steadyrl.trainer.config import DEFAULT_OBJECTIVE, LearnerConfig, ObjectiveConfig
 from steadyrl.trainer.linear_schedule import fill_total_updates
 from steadyrl.trainer.objectives import objective_class
@@ -21,10 +23,6 @@ from steadyrl.trainer.objectives.grpo import GRPOSettings
 CONFIG_DIR = next((d for d in (Path(__file__).resolve().parent.parent / "configs", Path.cwd() / "configs")
                    if d.is_dir()), Path("configs"))
 DEFAULT_CONFIG = CONFIG_DIR / "digits-grpo.yaml"
-
-
-class ConfigError(ValueError):
-    """A bad config file, key or value; the message names the field."""
 
 
 class ServeConfig(StrictModel):
@@ -178,6 +176,15 @@ class RayConfig(StrictModel):
     max_rollout_retries: int = Field(3, ge=0, description="times one call is re-issued after its rollout worker "
                                      "died (Ray restarts the actor; it gets the current weights first, and its "
                                      "seeded sampling redraws the very same samples); past it the run fails")
+
+
+class HealthConfig(StrictModel):
+    """The controller's watch over the run (`services.driver.run_health`): reward hacking and collapse."""
+
+    anomaly: AnomalyConfig = Field(default_factory=AnomalyConfig, description="reward-hacking detection and its "
+                                   "response: a raised KL weight for some updates, the batch saved, the event counted")
+    rollback: RollbackConfig = Field(default_factory=RollbackConfig, description="collapse detection and automatic "
+                                     "rollback to the last healthy checkpoint with a lowered learning rate")
 
 
 class RunConfig(StrictModel):

@@ -63,7 +63,7 @@ def prewarm_caches():
 def ray_cluster():
     import ray
 
-    from steadyrl.services.runtime import init_ray
+    from steadyrl.services.runtime.ray_session import init_ray
 
     started = init_ray(num_cpus=2) == "local"
     yield ray
@@ -74,7 +74,7 @@ def ray_cluster():
 @pytest.fixture(scope="session")
 def serve_port(ray_cluster) -> int:
     from steadyrl.services.config import ServeConfig
-    from steadyrl.services.runtime import start_serve
+    from steadyrl.services.runtime.ray_session import start_serve
 
     _, port = start_serve(ServeConfig(port=0))
     return port
@@ -99,7 +99,7 @@ def reward_url(serve_port, digits_app) -> str:
 def smoke_straight(ray_cluster, serve_port, tmp_path_factory):
     """configs/smoke.yaml with SMOKE_SHORT, run straight through once per session (6 steps, checkpoints at 3, 6)."""
     from steadyrl.services.config import CONFIG_DIR
-    from steadyrl.services.controller import train
+    from steadyrl.services.driver.controller import train
     from tests.helpers import SMOKE_SHORT, ensure_digits_app
 
     ensure_digits_app()

@@ -54,8 +54,8 @@ def ensure_digits_app() -> None:
 
 def train_local(config: Path, run_dir: Path, overrides: list[str] = ()) -> tuple[Any, list[dict]]:
     """`steadyrl train --local`: the product loop in this process (no Ray, no Serve); (RunResult, metrics rows)."""
-    from steadyrl.services.controller import train
-    from steadyrl.services.report import read_metrics
+    from steadyrl.services.driver.controller import train
+    from steadyrl.services.run_folder.metrics import read_metrics
 
     result = train(config, [f"run.run_dir={run_dir}", "run.runtime=local", "run.progress=false", *overrides])
     return result, read_metrics(result.run_dir)
@@ -77,7 +77,7 @@ def steps_logged(run: Path) -> int:
 
 def actor_pid(run: Path, actor: str) -> int:
     """The process id of a run's actor (`rollout_0`, `learner_0`, ...), from the run's actors file."""
-    from steadyrl.services.controller import ACTORS_FILE
+    from steadyrl.services.driver.controller import ACTORS_FILE
 
     return int(json.loads((run / ACTORS_FILE).read_text())["actors"][actor]["pid"])
 
@@ -87,7 +87,7 @@ def train_in_thread(run: Path, overrides: list[str], config: Path | None = None
     """train() (configs/smoke.yaml unless `config`) on a thread of this process (the test's driver), so the main
     thread can kill its actors. The returned dict gets `result` or `error` when the run ends."""
     from steadyrl.services.config import CONFIG_DIR
-    from steadyrl.services.controller import train
+    from steadyrl.services.driver.controller import train
 
     config = CONFIG_DIR / "smoke.yaml" if config is None else config
     out: dict[str, Any] = {}
@@ -113,7 +113,7 @@ def tiny_learner(cfg: LearnerConfig, objective=None):
     `objective` (default GRPO with eps_clip 0.2)."""
     from steadyrl.rollout.ddim import DDIMLogProbSampler
     from steadyrl.rollout.models import build_class_policy, build_scheduler
-    from steadyrl.services.runtime import free_port, set_rank_env
+    from steadyrl.services.runtime.ray_session import free_port, set_rank_env
     from steadyrl.trainer.builders import build_deepspeed_learner
     from steadyrl.trainer.objectives.grpo import GRPOSettings
 
@@ -128,7 +128,7 @@ def make_image_learner(sampler_cfg, objective_cfg, seed: int = 0, **learner_kw):
     """A DeepSpeed learner on the tiny UNet with any image sampler and objective (lr 1e-3, micro-batches of 8,
     one inner epoch unless `learner_kw` says otherwise). The caller sets the rank environment."""
     from steadyrl.rollout.models import build_class_policy
-    from steadyrl.rollout.samplers import build_sampler
+    from steadyrl.rollout.sampler_factory import build_sampler
     from steadyrl.trainer.builders import build_deepspeed_learner
 
     torch.manual_seed(seed)
@@ -205,7 +205,7 @@ def tiny_sd3_nft_learner(tmp_path: Path, settings: Any) -> tuple[Any, Any]:
     from safetensors.torch import load_file
 
     from steadyrl.services.config import load_config
-    from steadyrl.services.runtime import free_port, set_rank_env
+    from steadyrl.services.runtime.ray_session import free_port, set_rank_env
     from steadyrl.services.testbeds import build_testbed
     from steadyrl.trainer.builders import build_deepspeed_learner
     from tests.tiny_models import save_tiny_sd3_pipeline

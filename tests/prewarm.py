@@ -22,8 +22,8 @@ PRESETS = ("digits-grpo", "arith-ar-grpo", "arith-bd-grpo", "arith-grpo", "digit
 
 def build_deepspeed_cpu_op() -> None:
     """The shared-memory collective op DeepSpeed's CPU accelerator loads at its first engine, compiled into the
-    cache's TORCH_EXTENSIONS_DIR, in the environment a learner actor has (`services.runtime.worker_env`)."""
-    from steadyrl.services.runtime import worker_env
+    cache's TORCH_EXTENSIONS_DIR, in the environment a learner actor has (`services.runtime.ray_session.worker_env`)."""
+    from steadyrl.services.runtime.ray_session import worker_env
 
     for key, value in worker_env().items():  # what every actor gets: the cache's TORCH_EXTENSIONS_DIR among them
         os.environ.setdefault(key, value)
@@ -34,7 +34,7 @@ def build_deepspeed_cpu_op() -> None:
 
 def build_preset(name: str) -> None:
     """`steadyrl pretrain configs/<name>.yaml`: the base model and the testbed's reward models."""
-    from steadyrl.services.cli import pretrain
+    from steadyrl.services.driver.cli import pretrain
 
     pretrain([str(ROOT / "configs" / f"{name}.yaml")])
 

@@ -10,8 +10,8 @@ import signal
 import pytest
 
 from steadyrl.services.config import CONFIG_DIR
-from steadyrl.services.controller import RunFailed, train
-from steadyrl.services.report import read_metrics
+from steadyrl.services.driver.controller import RunFailed, train
+from steadyrl.services.run_folder.metrics import read_metrics
 from tests.helpers import (SMOKE_SHORT, actor_pid, computed_metrics, ensure_digits_app, steps_logged,
                            train_in_thread, wait_for)
 
@@ -59,8 +59,8 @@ def test_a_killed_pipelined_run_resumes_to_the_same_run(async_run, digits_app, t
 
 
 def test_pipelined_actors_split_the_cores_unless_told_otherwise():
-    from steadyrl.services.actors import torch_threads
     from steadyrl.services.config import load_config
+    from steadyrl.services.runtime.actors import torch_threads
 
     assert torch_threads(load_config(SMOKE), cores=16) == 16  # phases one after another: every core each
     assert torch_threads(load_config(SMOKE, ["learner.max_staleness=1"]), cores=16) == 8

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from steadyrl.rollout.arith import TOKENIZER
-from steadyrl.services.runtime import free_port, set_rank_env
+from steadyrl.services.runtime.ray_session import free_port, set_rank_env
 from steadyrl.trainer.balanced_gradient import BalancedGradientConfig, DualMomentum
 from steadyrl.trainer.config import LearnerConfig
 from tests.helpers import IMAGE_FAMILIES, arith_prompts, brightness_batch, make_image_learner, masked_sampler, tiny_lm

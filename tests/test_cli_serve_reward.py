@@ -32,7 +32,7 @@ def start_server(*args: str, env: dict[str, str] | None = None) -> dict:
     """`steadyrl serve-reward --port 0 ARGS` in its own session (its own local Ray), once it prints its routes."""
     full_env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     full_env.update(PYTHONUNBUFFERED="1", **(env or {}))
-    proc = subprocess.Popen([sys.executable, "-m", "steadyrl.services.cli", "serve-reward", "--port", "0", *args],
+    proc = subprocess.Popen([sys.executable, "-m", "steadyrl.services.driver.cli", "serve-reward", "--port", "0", *args],
                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
                             env=full_env, text=True, preexec_fn=_default_sigint)
     seen, deadline = [], time.time() + 240
@@ -139,7 +139,7 @@ def test_ctrl_c_stops_the_server_and_every_process_it_started():
 
 
 def test_an_unset_token_variable_fails_before_ray_starts():
-    from steadyrl.services.cli import app
+    from steadyrl.services.driver.cli import app
 
     assert "STEADYRL_NO_SUCH_TOKEN" not in os.environ
     result = CliRunner().invoke(app, ["serve-reward", "serve.auth_token_env=STEADYRL_NO_SUCH_TOKEN"])

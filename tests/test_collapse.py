@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from steadyrl.services.checkpoints import checkpoint_before, checkpoint_steps, latest_checkpoint
+from steadyrl.services.run_folder.checkpoints import checkpoint_before, checkpoint_steps, latest_checkpoint
 from steadyrl.trainer.collapse import CollapseDetector, RollbackConfig
 from tests.helpers import train_local
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 import pytest
 from typer.testing import CliRunner
 
-from steadyrl.services.cli import app
 from steadyrl.services.config import ConfigError, DEFAULT_CONFIG, load_config, parse_override
+from steadyrl.services.driver.cli import app
 
 
 def test_default_config_loads_and_overrides_apply():

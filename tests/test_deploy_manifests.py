@@ -44,7 +44,7 @@ KINDS = ("RayJob", "RayCluster", "RayService")
 DIGITS_JOB = DEPLOY / "rayjob-digits.yaml"
 REWARD_SERVICE = DEPLOY / "rayservice-reward.yaml"
 GPU_CLUSTER = DEPLOY / "raycluster-gpu.yaml"
-JOB_MODULE = "steadyrl.services.job"
+JOB_MODULE = "steadyrl.services.driver.job"
 
 Loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)  # the CRD files are ~1 MB each
 
@@ -159,8 +159,8 @@ def _rayjobs():
 
 
 def _module_file(module: str) -> Path | None:
-    """The file an installed module is loaded from (None: not importable). `steadyrl.services.job` is the
-    checkout's services/job.py under the package-dir mapping of pyproject.toml (an editable install)."""
+    """The file an installed module is loaded from (None: not importable). `steadyrl.services.driver.job` is the
+    checkout's services/driver/job.py under the package-dir mapping of pyproject.toml (an editable install)."""
     try:
         spec = importlib.util.find_spec(module)
     except ModuleNotFoundError:
@@ -169,7 +169,7 @@ def _module_file(module: str) -> Path | None:
 
 
 def _check_job_argv(where: str, argv: list[str]) -> None:
-    """`python -m steadyrl.services.job configs/X.yaml key=value ...`: the module is installed, the preset is
+    """`python -m steadyrl.services.driver.job configs/X.yaml key=value ...`: the module is installed, the preset is
     under configs/ and the preset with those overrides is a valid config (every key exists)."""
     from steadyrl.services.config import load_config
 
@@ -301,7 +301,7 @@ def test_head_and_workers_run_one_image_in_workdir_app_with_a_memory_dev_shm(nam
 
 
 def _job_commands(text: str) -> list[list[str]]:
-    """argv of every `python -m steadyrl.services.job ...` in a text (manifest comments, Markdown)."""
+    """argv of every `python -m steadyrl.services.driver.job ...` in a text (manifest comments, Markdown)."""
     found = re.findall(r"python -m " + re.escape(JOB_MODULE) + r"[^`\n]*", text)
     return [shlex.split(re.split(r"\s#", cmd)[0]) for cmd in found]  # without a trailing `# comment`
 
@@ -311,7 +311,7 @@ DOCUMENTED = [DEPLOY / "README.md", *sorted(DEPLOY.glob("*.yaml"))]
 
 @pytest.mark.parametrize("path", DOCUMENTED, ids=[p.name for p in DOCUMENTED])
 def test_documented_job_commands_use_real_presets_and_config_keys(path):
-    """Every job command written out in deploy/ (e.g. `ray job submit ... -- python -m steadyrl.services.job
+    """Every job command written out in deploy/ (e.g. `ray job submit ... -- python -m steadyrl.services.driver.job
     configs/digits-grpo.yaml ray.rollout_gpus=1 ...`) loads: its preset exists and each override names a real key
     with a valid value."""
     commands = _job_commands(path.read_text())

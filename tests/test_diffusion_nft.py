@@ -13,8 +13,8 @@ import torch
 from steadyrl.rollout.batch import RolloutBatch
 from steadyrl.rollout.config import SchedulerConfig
 from steadyrl.rollout.models import build_class_policy
-from steadyrl.rollout.samplers import build_sampler
-from steadyrl.services.runtime import free_port, set_rank_env
+from steadyrl.rollout.sampler_factory import build_sampler
+from steadyrl.services.runtime.ray_session import free_port, set_rank_env
 from steadyrl.trainer.context import UpdateContext
 from steadyrl.trainer.objectives import TermInputs, build_objective
 from steadyrl.trainer.objectives.diffusion_nft import (DiffusionNFTCodeSettings, DiffusionNFTPaperSettings,

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from steadyrl.rollout.arith import TOKENIZER
-from steadyrl.services.runtime import free_port, set_rank_env
+from steadyrl.services.runtime.ray_session import free_port, set_rank_env
 from steadyrl.trainer.objectives.base import TermInputs
 from steadyrl.trainer.objectives.bgpo import BGPOPaper, BGPOPaperSettings, bgpo_bound
 from tests.helpers import after_first_eos, arith_prompts, masked_sampler, tiny_lm
@@ -76,8 +76,8 @@ def test_bgpo_bound_is_a_lower_bound_off_policy():
 def test_the_learners_two_pass_pieces_give_the_single_graph_gradient():
     """GRPO on a sequence-level sampler: n backward passes (one per MC sample) give the gradient of
     -mean_i A_i rho_i, rho_i = exp(mean_j ell_j - mean_j ell_j^old), computed in one graph."""
-    from steadyrl.trainer.config import LearnerConfig
     from steadyrl.trainer.builders import build_deepspeed_learner
+    from steadyrl.trainer.config import LearnerConfig
     from steadyrl.trainer.objectives.grpo import GRPOSettings
 
     model = tiny_lm(dtype=torch.float32)
@@ -103,8 +103,8 @@ def test_grpo_on_masked_diffusion_raises_the_reward_of_a_token():
     KL monitor is the k3 estimate of KL(pi_theta || pi_ref) on the sequence estimates: mean_i exp(r_i) - r_i - 1,
     r_i = log pi_ref(y_i) - log pi_theta(y_i), each log pi the mean over the batch's MC mask samples, pi_ref the
     initial policy (GRPO never resets it) -- recomputed here in float64 numpy from the two models' log-probs."""
-    from steadyrl.trainer.config import LearnerConfig
     from steadyrl.trainer.builders import build_deepspeed_learner
+    from steadyrl.trainer.config import LearnerConfig
     from steadyrl.trainer.objectives.grpo import GRPOSettings
 
     s = masked_sampler(mc_samples=2, gen_length=4, num_steps=4)
@@ -174,8 +174,8 @@ def test_eubo_pieces_sum_to_the_one_graph_eubo_gradient():
 
 def test_stabledrl_code_sandwich_through_the_learner_matches_one_graph():
     """stabledrl.code on a dLLM: -sum_i w_i A_i J_i, J the SPG sandwich, w softmax within each group."""
-    from steadyrl.trainer.config import LearnerConfig
     from steadyrl.trainer.builders import build_deepspeed_learner
+    from steadyrl.trainer.config import LearnerConfig
     from steadyrl.trainer.objectives.sandwich import eubo_statistics, sandwich
     from steadyrl.trainer.objectives.stabledrl_code import StableDRLCodeSettings
 

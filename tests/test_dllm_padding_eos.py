@@ -15,7 +15,7 @@ from steadyrl.rollout.batch import RolloutBatch
 from steadyrl.rollout.config import MaskedDiffusionSamplerConfig
 from steadyrl.rollout.likelihood import completion_valid, draw_masks, estimate, prompt_attention
 from steadyrl.rollout.masked_diffusion import MaskedDiffusionSampler
-from steadyrl.services.runtime import free_port, set_rank_env
+from steadyrl.services.runtime.ray_session import free_port, set_rank_env
 from tests.assets.tiny_llada import build_tiny_llada
 from tests.helpers import MASK, after_first_eos, masked_sampler, tiny_lm
 
@@ -232,7 +232,7 @@ def test_a_sampler_without_an_eos_id_names_the_setting():
 
 
 def test_token_ids_for_the_character_tokenizer_are_refused():
-    from steadyrl.services.testbeds.arith import ArithSettings
+    from steadyrl.services.testbeds.arith.masked import ArithSettings
 
     with pytest.raises(ValueError, match="testbed.eos_token_id applies to a pretrained model"):
         ArithSettings(eos_token_id=5)

@@ -7,8 +7,8 @@ import httpx
 import pytest
 
 from steadyrl.services.config import CONFIG_DIR, load_config
-from steadyrl.services.controller import train
-from steadyrl.services.report import read_metrics
+from steadyrl.services.driver.controller import train
+from steadyrl.services.run_folder.metrics import read_metrics
 from tests.helpers import train_local
 
 

@@ -6,8 +6,8 @@ import httpx
 import pytest
 
 from steadyrl.services.config import CONFIG_DIR
-from steadyrl.services.controller import train
-from steadyrl.services.report import read_metrics
+from steadyrl.services.driver.controller import train
+from steadyrl.services.run_folder.metrics import read_metrics
 
 
 @pytest.fixture(scope="module")

@@ -8,10 +8,10 @@ import pytest
 from typer.testing import CliRunner
 
 from tests.helpers import ensure_digits_app
-from steadyrl.services.cli import app
 from steadyrl.services.config import CONFIG_DIR
-from steadyrl.services.controller import latest_checkpoint, train
-from steadyrl.services.report import read_metrics
+from steadyrl.services.driver.cli import app
+from steadyrl.services.driver.controller import latest_checkpoint, train
+from steadyrl.services.run_folder.metrics import read_metrics
 
 SMOKE = CONFIG_DIR / "smoke.yaml"
 

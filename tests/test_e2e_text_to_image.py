@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
-from steadyrl.services.controller import train
-from steadyrl.services.evaluate import evaluate_checkpoint
-from steadyrl.services.report import read_metrics
+from steadyrl.services.driver.controller import train
+from steadyrl.services.driver.evaluate import evaluate_checkpoint
+from steadyrl.services.run_folder.metrics import read_metrics
 from tests.tiny_models import save_tiny_clip, save_tiny_sd3_pipeline, save_tiny_sd_pipeline
 
 

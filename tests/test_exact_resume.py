@@ -16,9 +16,9 @@ import torch
 from safetensors.torch import load_file
 
 from steadyrl.services.config import CONFIG_DIR, ConfigError, load_config
-from steadyrl.services.controller import train
-from steadyrl.services.report import read_metrics
-from steadyrl.services.resume import RESUMES_LOG, check_resume, record_resume
+from steadyrl.services.driver.controller import train
+from steadyrl.services.driver.resume import RESUMES_LOG, check_resume, record_resume
+from steadyrl.services.run_folder.metrics import read_metrics
 from tests.helpers import SMOKE_SHORT as RUN, computed_metrics
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -46,7 +46,7 @@ def _kill_after_checkpoint(run: Path, address: str, step: int) -> None:
     """Run the job as its own driver process on the session's cluster and SIGKILL it once the step's
     checkpoint is written (it is then in the middle of the next step)."""
     env = {**os.environ, "RAY_ADDRESS": address}
-    proc = subprocess.Popen([sys.executable, "-m", "steadyrl.services.job", str(SMOKE), f"run.run_dir={run}", *RUN],
+    proc = subprocess.Popen([sys.executable, "-m", "steadyrl.services.driver.job", str(SMOKE), f"run.run_dir={run}", *RUN],
                             cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     pointer = run / "checkpoints" / "latest"
     try:

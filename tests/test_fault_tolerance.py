@@ -13,9 +13,9 @@ import pytest
 import ray
 from ray import serve
 
-from steadyrl.services.controller import ACTORS_FILE, RunFailed, train
-from steadyrl.services.report import read_metrics
-from steadyrl.services.retry import is_process_failure, with_retries
+from steadyrl.services.driver.controller import ACTORS_FILE, RunFailed, train
+from steadyrl.services.run_folder.metrics import read_metrics
+from steadyrl.services.runtime.retry import is_process_failure, with_retries
 from steadyrl.services.serving import APP_NAME
 from tests.helpers import SMOKE_SHORT, actor_pid, computed_metrics, steps_logged, train_in_thread, wait_for
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from steadyrl.rollout.arith import TOKENIZER
-from steadyrl.rollout.file_task import FileTask, FileTaskSettings
+from steadyrl.rollout.task_file_dataset import FileTask, FileTaskSettings
 from steadyrl.services.config import CONFIG_DIR, load_config
 from steadyrl.services.testbeds import build_testbed
 from tests.helpers import train_local

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from steadyrl.services.config import CONFIG_DIR, load_config
-from steadyrl.services.runtime import free_port, set_rank_env
+from steadyrl.services.runtime.ray_session import free_port, set_rank_env
 from steadyrl.services.testbeds import build_testbed
 from steadyrl.trainer.builders import build_deepspeed_learner
 from steadyrl.trainer.config import LearnerConfig

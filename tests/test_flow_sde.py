@@ -15,7 +15,7 @@ from steadyrl.rollout.flow_sde import FlowSDESampler
 from steadyrl.rollout.models import build_class_policy
 from steadyrl.rollout.policy import ClassConditionalPolicy
 from steadyrl.rollout.sampler import GaussianStepSampler, gaussian_logp
-from steadyrl.trainer.pretrain import PretrainConfig, pretrain_unet, pretrained_unet_dir
+from steadyrl.services.testbeds.digits.pretrain import PretrainConfig, pretrain_unet, pretrained_unet_dir
 
 TINY = UNetConfig(block_out_channels=(8, 16), norm_num_groups=4)
 

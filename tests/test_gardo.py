@@ -372,7 +372,7 @@ def test_gardo_paper_in_the_deepspeed_learner_resets_the_reference_on_schedule()
     from steadyrl.rollout.config import DDIMSamplerConfig, SchedulerConfig, UNetConfig
     from steadyrl.rollout.ddim import DDIMLogProbSampler
     from steadyrl.rollout.models import build_scheduler, build_class_policy
-    from steadyrl.services.runtime import free_port, set_rank_env
+    from steadyrl.services.runtime.ray_session import free_port, set_rank_env
     from steadyrl.trainer.config import LearnerConfig
 
     set_rank_env(free_port())

@@ -10,8 +10,8 @@ import torch
 
 from steadyrl.rollout.batch import RolloutBatch
 from steadyrl.rollout.config import FlowSDESamplerConfig, SchedulerConfig
-from steadyrl.rollout.samplers import build_sampler
-from steadyrl.services.runtime import free_port, set_rank_env
+from steadyrl.rollout.sampler_factory import build_sampler
+from steadyrl.services.runtime.ray_session import free_port, set_rank_env
 from steadyrl.trainer.context import UpdateContext
 from steadyrl.trainer.objectives import TermInputs, build_objective
 from steadyrl.trainer.objectives.diffusion_nft import DiffusionNFTCodeSettings

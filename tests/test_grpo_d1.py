@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from steadyrl.rollout.arith import TOKENIZER
-from steadyrl.services.runtime import free_port, set_rank_env
+from steadyrl.services.runtime.ray_session import free_port, set_rank_env
 from steadyrl.trainer.builders import build_deepspeed_learner
 from steadyrl.trainer.config import LearnerConfig
 from steadyrl.trainer.objectives.grpo_d1 import GRPOD1Settings
@@ -100,7 +100,7 @@ def test_d1_grpo_is_refused_where_per_token_ratios_do_not_exist():
         term_producer(objective, ms(masks="independent"), None)
     term_producer(objective, ms(masks="independent", estimator="one_step"), None)  # only the prompt masks differ
     from steadyrl.rollout.config import DDIMSamplerConfig
-    from steadyrl.rollout.samplers import build_sampler
+    from steadyrl.rollout.sampler_factory import build_sampler
 
     with pytest.raises(ValueError, match="per-token ratios of a masked-diffusion LM"):
         term_producer(objective, build_sampler(DDIMSamplerConfig()), None)

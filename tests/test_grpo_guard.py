@@ -12,7 +12,7 @@ from steadyrl.rollout.ddim import DDIMLogProbSampler
 from steadyrl.rollout.flow_sde import FlowSDESampler
 from steadyrl.rollout.models import build_scheduler, build_class_policy
 from steadyrl.rollout.sampler import gaussian_logp
-from steadyrl.services.runtime import free_port, set_rank_env
+from steadyrl.services.runtime.ray_session import free_port, set_rank_env
 from steadyrl.trainer.config import LearnerConfig
 from steadyrl.trainer.objectives import TermInputs, build_objective
 from steadyrl.trainer.objectives.grpo_guard import GRPOGuardPaperSettings, normalised_log_ratio

@@ -1,5 +1,5 @@
 """What passes through the driver: batches go rollout worker -> learner through the object store, and the driver
-fetches summaries and metrics only (`services.driver_bytes`, logged per step as `handoff/*`)."""
+fetches summaries and metrics only (`services.runtime.driver_bytes`, logged per step as `handoff/*`)."""
 from __future__ import annotations
 
 import ray
@@ -8,8 +8,8 @@ import torch
 from steadyrl.rollout.batch import RolloutBatch
 from steadyrl.rollout.digits import NUM_CLASSES
 from steadyrl.services.config import CONFIG_DIR, load_config
-from steadyrl.services.driver_bytes import DriverBytes, value_bytes
-from steadyrl.services.report import read_metrics
+from steadyrl.services.run_folder.metrics import read_metrics
+from steadyrl.services.runtime.driver_bytes import DriverBytes, value_bytes
 from tests.helpers import SMOKE_SHORT
 
 

@@ -13,11 +13,11 @@ HEAVY = ("diffusers", "deepspeed", "transformers", "peft", "torch._dynamo")
 
 
 @pytest.mark.parametrize("module", [
-    "steadyrl.services.cli",  # `steadyrl --help`
-    "steadyrl.services.controller",  # the driver of `steadyrl train`
+    "steadyrl.services.driver.cli",  # `steadyrl --help`
+    "steadyrl.services.driver.controller",  # the driver of `steadyrl train`
     "steadyrl.services.serving.deployments",  # a Serve reward replica
-    "steadyrl.services.actors",  # a rollout worker, before it builds its policy
-    "steadyrl.services.learner_group",  # a learner rank, before it builds its engine
+    "steadyrl.services.runtime.actors",  # a rollout worker, before it builds its policy
+    "steadyrl.services.runtime.learner_group",  # a learner rank, before it builds its engine
 ])
 def test_a_process_entry_module_imports_no_model_library(module):
     code = f"import sys, json, {module}; print(json.dumps([m for m in {HEAVY!r} if m in sys.modules]))"

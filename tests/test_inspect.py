@@ -16,10 +16,10 @@ import pytest
 from PIL import Image
 from typer.testing import CliRunner
 
-from steadyrl.services.cli import app
 from steadyrl.services.config import CONFIG_DIR
-from steadyrl.services.inspection import inspect_run
-from steadyrl.services.run_folder import HackingRule, hacking_verdict, load_run
+from steadyrl.services.driver.cli import app
+from steadyrl.services.run_folder.inspection import inspect_run
+from steadyrl.services.run_folder.reader import HackingRule, hacking_verdict, load_run
 
 ROLLBACK = {"step": 2, "restored_step": 1, "reasons": ["grad_norm spike", "reward drop"], "lr_scale": 0.5,
             "rollback": 1}
@@ -127,7 +127,7 @@ def test_text_examples_of_a_language_testbed_are_shown_as_preformatted_text(run_
 def test_rollbacks_and_anomalies_are_listed_and_marked_on_every_panel(run_dir, tmp_path):
     import matplotlib.pyplot as plt
 
-    from steadyrl.services.dashboard import dashboard_figure
+    from steadyrl.services.run_folder.dashboard import dashboard_figure
 
     run = copy_run(run_dir, tmp_path / "run", events=True)
     res = invoke("inspect", str(run))

@@ -33,7 +33,7 @@ def test_a_signal_stops_cleanly_keeps_the_last_checkpoint_and_leaves_no_process(
     run = tmp_path / "run"
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}  # its own local Ray, as a user's
     proc = subprocess.Popen(
-        [sys.executable, "-m", "steadyrl.services.job", "configs/smoke.yaml", f"run.run_dir={run}", "run.steps=500", "testbed.eval_samples_per_class=2",
+        [sys.executable, "-m", "steadyrl.services.driver.job", "configs/smoke.yaml", f"run.run_dir={run}", "run.steps=500", "testbed.eval_samples_per_class=2",
          "run.checkpoint_every=2", f"run.runtime={runtime}"],
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True, env=env,
         preexec_fn=_default_sigint,

@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from steadyrl.services.report import read_metrics
+from steadyrl.services.run_folder.metrics import read_metrics
 
 ROOT = Path(__file__).resolve().parents[1]
 SHADOWS = ("trainer.py", "reward.py", "services/__init__.py", "rollout/__init__.py")
@@ -27,14 +27,14 @@ def clashing_project(tmp_path: Path) -> Path:
 def test_cli_help_runs_from_a_project_with_its_own_trainer_and_services(tmp_path):
     project = clashing_project(tmp_path)
     steadyrl = Path(sys.executable).parent / "steadyrl"
-    for cmd in ([str(steadyrl), "--help"], [sys.executable, "-m", "steadyrl.services.cli", "train", "--help"]):
+    for cmd in ([str(steadyrl), "--help"], [sys.executable, "-m", "steadyrl.services.driver.cli", "train", "--help"]):
         proc = subprocess.run(cmd, cwd=project, capture_output=True, text=True, timeout=120)
         assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
         assert "steadyrl" in proc.stdout or "resume" in proc.stdout
 
 
 def test_job_runs_on_a_running_cluster_from_a_clashing_project_and_leaves_it_up(ray_cluster, serve_port, tmp_path):
-    """`python -m steadyrl.services.job` puts the user's directory first on sys.path, and the cluster's actors run
+    """`python -m steadyrl.services.driver.job` puts the user's directory first on sys.path, and the cluster's actors run
     there too: every import of the run (driver, rollout worker, learner, Serve replicas) is steadyrl's own."""
     from ray import serve
 
@@ -45,7 +45,7 @@ def test_job_runs_on_a_running_cluster_from_a_clashing_project_and_leaves_it_up(
     env = {**os.environ, "RAY_ADDRESS": address, "RAY_JOB_CONFIG_JSON_ENV_VAR": job_config}
     env.pop("PYTHONPATH", None)
     proc = subprocess.run(
-        [sys.executable, "-m", "steadyrl.services.job", str(ROOT / "configs/smoke.yaml"), f"run.run_dir={run}",
+        [sys.executable, "-m", "steadyrl.services.driver.job", str(ROOT / "configs/smoke.yaml"), f"run.run_dir={run}",
          "run.steps=2", "run.eval_every=2", "run.checkpoint_every=2", "testbed.eval_samples_per_class=4"],
         cwd=clashing_project(tmp_path), env=env, capture_output=True, text=True, timeout=400,
     )

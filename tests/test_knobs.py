@@ -11,7 +11,7 @@ from torch import nn
 
 from steadyrl.rollout.arith import TOKENIZER
 from steadyrl.rollout.models import build_class_policy
-from steadyrl.services.runtime import free_port, set_rank_env
+from steadyrl.services.runtime.ray_session import free_port, set_rank_env
 from steadyrl.trainer.balanced_gradient import BalancedGradientConfig, scale_module_gradients
 from steadyrl.trainer.linear_schedule import LinearSchedule, linear_value
 from steadyrl.trainer.objectives import TermInputs, build_objective

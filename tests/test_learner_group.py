@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from steadyrl.rollout.models import build_class_policy
-from steadyrl.rollout.samplers import build_sampler
+from steadyrl.rollout.sampler_factory import build_sampler
 from steadyrl.services.config import load_config
 from tests.helpers import update_error
 
@@ -34,7 +34,7 @@ def base_and_batch():
 
 def run_group(ray, cfg, weights, batch, tmp_path):
     """One update through a LearnerGroup; every rank's metrics and trained tensors."""
-    from steadyrl.services.learner_group import LearnerGroup
+    from steadyrl.services.runtime.learner_group import LearnerGroup
 
     group = LearnerGroup(cfg, ray.put(weights), tmp_path)
     try:
@@ -76,7 +76,7 @@ def test_two_ranks_that_split_their_pieces_apply_the_unsplit_one_rank_update(ray
     """learner.activation_memory_cap_mb below a 6-sample piece's saved tensors (measured here on an identical
     in-process learner) makes each rank back-propagate its pieces in parts; ZeRO-0 ranks communicate at the
     optimiser step only, so the update is still the unsplit 1-rank one (trainer/memory_split.py)."""
-    from steadyrl.services.runtime import free_port, set_rank_env
+    from steadyrl.services.runtime.ray_session import free_port, set_rank_env
     from steadyrl.trainer.builders import build_deepspeed_learner
 
     weights, batch = base_and_batch

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from steadyrl.services.runtime import free_port, set_rank_env
+from steadyrl.services.runtime.ray_session import free_port, set_rank_env
 from tests.helpers import IMAGE_FAMILIES, brightness_batch, make_image_learner
 
 

@@ -15,7 +15,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 BLOCKED = ("ray", "fastapi", "starlette", "uvicorn")
-STEADYRL = [sys.executable, "-m", "steadyrl.services.cli"]
+STEADYRL = [sys.executable, "-m", "steadyrl.services.driver.cli"]
 
 
 @pytest.fixture

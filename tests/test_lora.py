@@ -12,7 +12,7 @@ from steadyrl.rollout.ddim import DDIMLogProbSampler
 from steadyrl.rollout.lora import LoRAConfig, add_lora
 from steadyrl.rollout.models import build_class_policy, build_scheduler
 from steadyrl.rollout.policy import state_bytes
-from steadyrl.services.runtime import free_port, set_rank_env
+from steadyrl.services.runtime.ray_session import free_port, set_rank_env
 from steadyrl.trainer.config import LearnerConfig
 from steadyrl.trainer.objectives.grpo import GRPOSettings
 

@@ -16,7 +16,7 @@ import json, resource, sys
 import torch
 applied = None
 if sys.argv[1] == "keep":
-    from steadyrl.services.malloc import keep_freed_memory
+    from steadyrl.services.runtime.malloc import keep_freed_memory
     applied = keep_freed_memory()
 from steadyrl.rollout.models import build_unet
 from steadyrl.services.config import load_config

@@ -11,7 +11,7 @@ from steadyrl.rollout.lora import LoRAConfig, add_lora
 from steadyrl.rollout.masked_lm import lora_targets
 from steadyrl.rollout.policy import LanguageModelPolicy
 from steadyrl.services.config import CONFIG_DIR
-from steadyrl.services.runtime import free_port, set_rank_env
+from steadyrl.services.runtime.ray_session import free_port, set_rank_env
 from steadyrl.trainer.balanced_gradient import BalancedGradientConfig
 from steadyrl.trainer.builders import build_deepspeed_learner
 from steadyrl.trainer.config import LearnerConfig
@@ -115,7 +115,7 @@ def test_the_arith_loop_takes_lora_gradient_steps_and_checkpoints_only_the_adapt
 
 
 def test_bf16_without_lora_is_refused_naming_the_settings():
-    from steadyrl.services.testbeds.arith import ArithSettings
+    from steadyrl.services.testbeds.arith.masked import ArithSettings
 
     with pytest.raises(ValueError, match="testbed.dtype=bfloat16 needs testbed.lora"):
         ArithSettings(dtype="bfloat16")

@@ -17,22 +17,22 @@ from pydantic import ValidationError
 from torch import Tensor
 
 from steadyrl.rollout.arith import TOKENIZER
-from steadyrl.services.runtime import free_port, set_rank_env
+from steadyrl.rollout.config import SchedulerConfig
+from steadyrl.rollout.models import build_class_policy
+from steadyrl.rollout.sampler_factory import build_sampler
+from steadyrl.services.runtime.ray_session import free_port, set_rank_env
 from steadyrl.trainer.builders import build_reference, prepare_network
-from steadyrl.trainer.objectives.registry import build_objective
 from steadyrl.trainer.config import LearnerConfig
 from steadyrl.trainer.memory_split import ActivationCapExceeded, SavedTensorMeter, halves
 from steadyrl.trainer.objectives.gardo import GARDOPaperSettings
 from steadyrl.trainer.objectives.grpo import GRPOSettings
 from steadyrl.trainer.objectives.grpo_d1 import GRPOD1Settings
 from steadyrl.trainer.objectives.grpo_guard import GRPOGuardPaperSettings
+from steadyrl.trainer.objectives.registry import build_objective
 from steadyrl.trainer.objectives.reward_backprop import DraftSettings
 from steadyrl.trainer.objectives.stabledrl_code import StableDRLCodeSettings
 from steadyrl.trainer.objectives.stabledrl_paper import StableDRLPaperSettings
 from steadyrl.trainer.terms import steps_per_sample
-from steadyrl.rollout.config import SchedulerConfig
-from steadyrl.rollout.models import build_class_policy
-from steadyrl.rollout.samplers import build_sampler
 from tests.helpers import (IMAGE_FAMILIES, TINY_UNET, after_first_eos, arith_prompts, brightness_batch, masked_sampler,
                            tiny_lm, update_error)
 

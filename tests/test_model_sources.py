@@ -23,7 +23,7 @@ from steadyrl.rollout.model_sources import source_problem
 from steadyrl.services.config import CONFIG_DIR, ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]
-STEADYRL = [sys.executable, "-m", "steadyrl.services.cli"]
+STEADYRL = [sys.executable, "-m", "steadyrl.services.driver.cli"]
 SD35 = "stabilityai/stable-diffusion-3.5-medium"
 CHECK = """import json, sys
 from steadyrl.rollout.model_sources import ModelsUnavailable, check_model_sources
@@ -230,7 +230,7 @@ def test_a_reward_models_missing_source_is_named_by_its_field(tiny_models, tmp_p
     from huggingface_hub import constants
 
     from steadyrl.services.config import load_config
-    from steadyrl.services.controller import train
+    from steadyrl.services.driver.controller import train
     from steadyrl.services.testbeds import build_testbed
 
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
@@ -255,7 +255,7 @@ def test_a_resume_checks_the_models_before_it_records_anything(tmp_path, monkeyp
     from huggingface_hub import constants
 
     from steadyrl.services.config import dump_config, load_config
-    from steadyrl.services.controller import train
+    from steadyrl.services.driver.controller import train
 
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
     monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))

@@ -42,9 +42,9 @@ def test_sample_with_current_publishes_the_trained_adapters(tmp_path):
 
 
 def test_the_local_runtime_samples_with_the_old_policy_after_a_publish():
-    """services/local.py: after an update and its publish, the rollouts' policy holds the old copy."""
+    """services/runtime/local_runtime.py: after an update and its publish, the rollouts' policy holds the old copy."""
     from steadyrl.rollout.policy import trainable_state
-    from steadyrl.services.local import LocalLearner, LocalRolloutPool, LocalScorer
+    from steadyrl.services.runtime.local_runtime import LocalLearner, LocalRolloutPool, LocalScorer
     from steadyrl.services.testbeds import build_testbed
 
     cfg = load_config(NFT, [*SHORT, "run.runtime=local", "run.progress=false"])
@@ -69,8 +69,8 @@ def test_the_local_runtime_samples_with_the_old_policy_after_a_publish():
 def test_the_ray_runtime_samples_what_the_local_runtime_samples(tmp_path):
     """Two DiffusionNFT steps through Ray actors and through `--local`: step 2 samples with the weights published
     after step 1 (the old copy on both), so its rewards, the evaluation and the checkpoint agree bitwise."""
-    from steadyrl.services.controller import train
-    from steadyrl.services.report import read_metrics
+    from steadyrl.services.driver.controller import train
+    from steadyrl.services.run_folder.metrics import read_metrics
 
     local, local_rows = train_local(NFT, tmp_path / "local", SHORT)
     on_ray = train(NFT, [f"run.run_dir={tmp_path / 'ray'}", "run.progress=false", *SHORT])

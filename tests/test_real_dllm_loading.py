@@ -15,7 +15,7 @@ import torch
 
 from steadyrl.rollout.config import MaskedDiffusionSamplerConfig
 from steadyrl.rollout.masked_lm import load_pretrained_masked_lm
-from steadyrl.rollout.samplers import build_sampler
+from steadyrl.rollout.sampler_factory import build_sampler
 from tests.assets.tiny_llada import write_tiny_llada
 
 VOCAB = 24

@@ -21,14 +21,14 @@ torch.set_num_threads(int(sys.argv[1]))
 from steadyrl.reward.classifiers import train_classifier
 from steadyrl.reward.config import RewardConfig
 from steadyrl.rollout.arith import ArithTask
+from steadyrl.rollout.block_diffusion_lm import BlockDiffusionLMConfig
+from steadyrl.rollout.causal_lm import CausalLMConfig
 from steadyrl.rollout.config import SchedulerConfig, UNetConfig
 from steadyrl.rollout.masked_lm import MaskedLMConfig
-from steadyrl.trainer.pretrain import PretrainConfig, pretrain_unet
-from steadyrl.trainer.pretrain_masked_lm import MaskedLMPretrainConfig, pretrain_masked_lm
-from steadyrl.rollout.causal_lm import CausalLMConfig
-from steadyrl.trainer.pretrain_causal_lm import CausalLMPretrainConfig, pretrain_causal_lm
-from steadyrl.rollout.block_diffusion_lm import BlockDiffusionLMConfig
-from steadyrl.trainer.pretrain_block_diffusion import BlockDiffusionPretrainConfig, pretrain_block_diffusion_lm
+from steadyrl.services.testbeds.arith.pretrain_block_diffusion import BlockDiffusionPretrainConfig, pretrain_block_diffusion_lm
+from steadyrl.services.testbeds.arith.pretrain_causal_lm import CausalLMPretrainConfig, pretrain_causal_lm
+from steadyrl.services.testbeds.arith.pretrain_masked_lm import MaskedLMPretrainConfig, pretrain_masked_lm
+from steadyrl.services.testbeds.digits.pretrain import PretrainConfig, pretrain_unet
 
 def digest(model):
     h = hashlib.sha256()

@@ -8,8 +8,8 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from steadyrl.reward.config import ImageRewardConfig, RewardConfig, differentiable_train_reward
 from steadyrl.reward.classifiers import load_classifier
+from steadyrl.reward.config import ImageRewardConfig, RewardConfig, differentiable_train_reward
 from steadyrl.reward.ensemble import attach_scores
 from steadyrl.reward.factory import JpegSpec
 from steadyrl.reward.weighting import WEIGHTED, WEIGHTING_KEY, RewardWeighting
@@ -302,7 +302,7 @@ def tiny_learner(objective_cfg, reward_fn=None):
     from steadyrl.rollout.config import DDIMSamplerConfig, SchedulerConfig, UNetConfig
     from steadyrl.rollout.ddim import DDIMLogProbSampler
     from steadyrl.rollout.models import build_class_policy, build_scheduler
-    from steadyrl.services.runtime import free_port, set_rank_env
+    from steadyrl.services.runtime.ray_session import free_port, set_rank_env
     from steadyrl.trainer.config import LearnerConfig
 
     set_rank_env(free_port())

@@ -8,8 +8,8 @@ import torch
 from safetensors.torch import load_file
 
 from steadyrl.services.config import CONFIG_DIR, ConfigError, load_config
-from steadyrl.services.controller import train
-from steadyrl.services.report import read_metrics
+from steadyrl.services.driver.controller import train
+from steadyrl.services.run_folder.metrics import read_metrics
 from tests.helpers import SMOKE_SHORT, computed_metrics, train_local
 
 

@@ -8,7 +8,7 @@ import torch
 
 from steadyrl.rollout.config import DDIMSamplerConfig, FlowSDESamplerConfig, SchedulerConfig, UNetConfig
 from steadyrl.rollout.models import build_class_policy
-from steadyrl.rollout.samplers import build_sampler
+from steadyrl.rollout.sampler_factory import build_sampler
 
 TINY = UNetConfig(block_out_channels=(8, 16), norm_num_groups=4)
 SAMPLERS = {"ddim": DDIMSamplerConfig(num_steps=6), "flow_sde": FlowSDESamplerConfig(num_steps=6)}

@@ -6,7 +6,7 @@ import torch
 
 from steadyrl.rollout.batch import RolloutBatch
 from steadyrl.rollout.config import DDIMSamplerConfig, SchedulerConfig
-from steadyrl.rollout.samplers import build_sampler
+from steadyrl.rollout.sampler_factory import build_sampler
 from steadyrl.services.config import ConfigError, load_config
 
 

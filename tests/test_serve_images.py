@@ -153,7 +153,8 @@ def test_deployment_health_check_and_info_for_each_kind(cfg):
 
 
 def test_png_round_trip_is_exact_in_model_space():
-    from steadyrl.services.serving import TextToImageRequest, decode_png, encode_png
+    from steadyrl.services.testbeds.png import decode_png, encode_png
+    from steadyrl.services.testbeds.text_to_image.rest import TextToImageRequest
 
     px = pixels(2, 24, 40, seed=5)
     assert torch.equal(torch.from_numpy(decode_png(encode_png(model_space(px)[0]))).permute(2, 0, 1), px[0])
@@ -241,7 +242,7 @@ def test_deprecated_parallel_arrays_still_score_and_share_the_lengths_check(imag
 
 
 def test_oversized_image_is_refused(images_url):
-    from steadyrl.services.serving import MAX_IMAGE_SIDE
+    from steadyrl.services.testbeds.png import MAX_IMAGE_SIDE
 
     buf = io.BytesIO()
     Image.new("RGB", (MAX_IMAGE_SIDE + 1, 1)).save(buf, format="PNG")  # tiny file, absurd side

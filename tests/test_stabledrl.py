@@ -239,7 +239,7 @@ def test_a_bad_objective_key_fails_at_config_load_naming_the_field():
 @pytest.fixture(scope="module", params=["stabledrl.paper", "stabledrl.code"])
 def learner(request):
     from steadyrl.rollout.ddim import DDIMLogProbSampler
-    from steadyrl.services.runtime import free_port, set_rank_env
+    from steadyrl.services.runtime.ray_session import free_port, set_rank_env
     from steadyrl.trainer.config import LearnerConfig
 
     set_rank_env(free_port())

@@ -14,7 +14,7 @@ from steadyrl.reward.answer_verifiers import verify_answer
 from steadyrl.reward.countdown_answers import evaluate_equation, verify_countdown
 from steadyrl.reward.math_answers import extract_final_answer, verify_math
 from steadyrl.reward.sudoku_answers import solve_sudoku, verify_sudoku
-from steadyrl.rollout.task_files import TaskRow, load_task_file, render_prompt, shipped_task_files
+from steadyrl.rollout.task_file_reader import TaskRow, load_task_file, render_prompt, shipped_task_files
 
 VERIFIER_OF = {"math_tiny": "math", "countdown_tiny": "countdown", "sudoku_tiny": "sudoku", "arith_addition": "math"}
 

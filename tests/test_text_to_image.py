@@ -231,8 +231,8 @@ def test_a_flux_lora_learner_step_follows_the_exact_policy_gradient(pipelines):
     with the advantages written out from the rewards."""
     import copy
 
-    from steadyrl.services.builders import build_learner
-    from steadyrl.services.runtime import free_port, set_rank_env
+    from steadyrl.services.runtime.builders import build_learner
+    from steadyrl.services.runtime.ray_session import free_port, set_rank_env
 
     extra = ("testbed.guidance_scale=3.5", "objective.train_min_std=0.0", "objective.timestep_fraction=1.0",
              "learner.inner_epochs=1", "learner.micro_batch_size=6", "learner.grad_clip=1e9")

@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 
 from steadyrl.services.config import CONFIG_DIR, ConfigError, load_config
-from steadyrl.services.report import MetricsWriter
-from steadyrl.services.resume import flatten
-from steadyrl.services.trackers import TRACKERS_FILE
+from steadyrl.services.run_folder.metrics import MetricsWriter
+from steadyrl.services.run_folder.trackers import flatten
+from steadyrl.services.run_folder.trackers import TRACKERS_FILE
 
 
 @pytest.fixture(autouse=True)
@@ -113,8 +113,8 @@ def test_each_step_and_the_config_reach_mlflow_and_wandb_and_a_resume_continues_
 
 def test_a_local_run_and_its_resume_log_what_metrics_jsonl_holds(tmp_path):
     """The product loop (local runtime) with run.loggers=[mlflow,wandb]: 2 steps, then resumed to 3."""
-    from steadyrl.services.controller import train
-    from steadyrl.services.report import read_metrics
+    from steadyrl.services.driver.controller import train
+    from steadyrl.services.run_folder.metrics import read_metrics
     from tests.helpers import train_local
 
     run = tmp_path / "run"

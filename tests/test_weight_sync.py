@@ -11,10 +11,10 @@ import threading
 
 import torch
 
-from steadyrl.services.controller import ACTORS_FILE
-from steadyrl.services.report import read_metrics
-from steadyrl.services.runtime import free_port
-from steadyrl.trainer.weight_broadcast import WeightBroadcastGroup
+from steadyrl.rollout.weight_broadcast import WeightBroadcastGroup
+from steadyrl.services.driver.controller import ACTORS_FILE
+from steadyrl.services.run_folder.metrics import read_metrics
+from steadyrl.services.runtime.ray_session import free_port
 from tests.helpers import SMOKE_SHORT, actor_pid, computed_metrics, steps_logged, train_in_thread, wait_for
 
 

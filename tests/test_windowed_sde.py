@@ -151,7 +151,7 @@ def test_reward_backprop_refuses_windowed_rollouts():
 
 
 def test_the_learner_trains_only_the_window_steps():
-    from steadyrl.services.runtime import free_port, set_rank_env
+    from steadyrl.services.runtime.ray_session import free_port, set_rank_env
     from steadyrl.trainer.objectives.grpo import GRPOSettings
     from tests.helpers import make_image_learner
 
@@ -181,13 +181,13 @@ def test_the_learner_trains_only_the_window_steps():
 
 
 def test_the_rollout_worker_samples_each_training_step_with_that_steps_window():
-    """services/rollouts.py passes the step (and run seed) to the sampler: the Flow-GRPO-Fast preset's window
+    """services/runtime/rollouts.py passes the step (and run seed) to the sampler: the Flow-GRPO-Fast preset's window
     at step k is window_mask(config, k, run.seed), and a re-issued step redraws the same batch."""
     from safetensors.torch import load_file
 
     from steadyrl.services.config import CONFIG_DIR, load_config
-    from steadyrl.services.local import LocalScorer
-    from steadyrl.services.rollouts import Rollouts
+    from steadyrl.services.runtime.local_runtime import LocalScorer
+    from steadyrl.services.runtime.rollouts import Rollouts
 
     cfg = load_config(CONFIG_DIR / "digits-flow-grpo-fast.yaml", ["sampler.group_size=2", "run.seed=5"])
     rollouts = Rollouts(cfg, load_file(str(_base_model(cfg))))

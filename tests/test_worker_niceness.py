@@ -17,7 +17,7 @@ CHILD = """
 import json, os, sys
 import ray
 from steadyrl.services.config import load_config
-from steadyrl.services.runtime import init_ray
+from steadyrl.services.runtime.ray_session import init_ray
 
 cfg = load_config(None, sys.argv[1:])
 mode = init_ray(None, 1, cfg.ray.local_network, cfg.ray.worker_niceness)

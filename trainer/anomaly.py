@@ -22,7 +22,7 @@ from typing import Any
 
 from pydantic import Field
 
-from steadyrl.rollout.config import StrictModel
+from steadyrl.rollout.settings_base import StrictModel
 
 PROXY_KEY = "reward/train_mean"
 GOLD_KEY = "reward/gold_mean"

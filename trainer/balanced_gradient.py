@@ -19,7 +19,7 @@ import torch
 from pydantic import Field, model_validator
 from torch import Tensor, nn
 
-from steadyrl.rollout.config import StrictModel
+from steadyrl.rollout.settings_base import StrictModel
 from steadyrl.trainer.dual_momentum import DualMomentum
 from steadyrl.trainer.linear_schedule import LinearSchedule
 

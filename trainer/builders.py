@@ -1,5 +1,5 @@
 """Plain builders of what a `DeepSpeedLearner` is given, and `build_deepspeed_learner`, the one place that wires
-them (the product's `services.builders.build_learner` and the tests build learners through it):
+them (the product's `services.runtime.builders.build_learner` and the tests build learners through it):
 
   build_objective   the objective named by the settings (trainer/objectives/registry.py)
   prepare_network   the policy's network made ready to train: per-module precision, activation checkpointing

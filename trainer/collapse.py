@@ -32,7 +32,7 @@ from typing import Any
 
 from pydantic import Field
 
-from steadyrl.rollout.config import StrictModel
+from steadyrl.rollout.settings_base import StrictModel
 
 NONFINITE = "not finite"
 REWARD_KEY = "reward/train_mean"

@@ -5,7 +5,7 @@ from typing import Annotated, Any, Literal, Union
 
 from pydantic import Discriminator, Field, Tag, model_validator
 
-from steadyrl.rollout.config import StrictModel
+from steadyrl.rollout.settings_base import StrictModel
 from steadyrl.trainer.balanced_gradient import BalancedGradientConfig
 from steadyrl.trainer.kl_schedule import KLScheduleConfig
 from steadyrl.trainer.lr_schedule import LRScheduleConfig

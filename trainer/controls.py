@@ -1,4 +1,4 @@
-"""What the controller may change about one update from the run's health (`services.run_health`)."""
+"""What the controller may change about one update from the run's health (`services.driver.run_health`)."""
 from __future__ import annotations
 
 from dataclasses import dataclass

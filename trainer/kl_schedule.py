@@ -23,7 +23,7 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from steadyrl.rollout.config import StrictModel
+from steadyrl.rollout.settings_base import StrictModel
 
 
 class KLScheduleConfig(StrictModel):

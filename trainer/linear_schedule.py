@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from pydantic import BaseModel, Field
 
-from steadyrl.rollout.config import StrictModel
+from steadyrl.rollout.settings_base import StrictModel
 
 
 class LinearSchedule(StrictModel):

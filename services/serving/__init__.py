@@ -1,7 +1,7 @@
 """The reward ensemble as a Ray Serve application, with a REST API.
 
-    png          base64 PNG <-> pixels
-    schemas      the REST contract: routes, request and response bodies, each testbed's `RestProfile`
+    schemas      the REST contract: routes and response bodies (each testbed's request body and `RestProfile`
+                 live with the testbed, `testbeds/<name>/rest.py`)
     uploads      reading a body against slow clients: deadlines and a bounded pool of uploads
     guard        the gate before any JSON is parsed: token, content type, size, the body (`uploads`)
     errors       422s with short field paths and 400s that say why parsing failed; never the input
@@ -9,7 +9,7 @@
     deployments  one deployment per reward model and the ensemble ingress
     app          build, deploy or reuse the application; the Serve config builder
 
-Names are loaded on first use (PEP 562), so a testbed that imports its REST schema does not import Ray.
+Names are loaded on first use (PEP 562): a route name or `APP_NAME` does not import Ray and Serve.
 """
 from __future__ import annotations
 
@@ -21,10 +21,8 @@ _WHERE = {
             "running_app_digest"),
     "deployments": ("IngressSettings", "RewardEnsembleIngress", "RewardModelDeployment"),
     "guard": ("RestSettings", "token_digest"),
-    "png": ("MAX_IMAGE_SIDE", "decode_png", "encode_png"),
     "rest": ("build_rest_api",),
-    "schemas": ("HEALTH_ROUTE", "MODELS_ROUTE", "SCORE_ROUTE", "AnyScoreRequest", "ArithRequest", "DigitsRequest",
-                "ScoreResponse", "TextToImageRequest", "RestProfile"),
+    "schemas": ("HEALTH_ROUTE", "MODELS_ROUTE", "SCORE_ROUTE", "AnyScoreRequest", "ScoreResponse"),
 }
 _MODULE = {name: module for module, names in _WHERE.items() for name in names}
 __all__ = sorted(_MODULE)

@@ -12,7 +12,7 @@ from steadyrl.reward.ensemble_spec import EnsembleSpec
 from steadyrl.services.config import ServeConfig
 from steadyrl.services.serving.deployments import IngressSettings, RewardEnsembleIngress, RewardModelDeployment
 from steadyrl.services.serving.guard import RestSettings
-from steadyrl.services.serving.schemas import RestProfile
+from steadyrl.services.testbeds.rest import RestProfile
 
 if TYPE_CHECKING:
     from steadyrl.services.testbeds.base import Testbed

@@ -19,15 +19,15 @@ from ray.serve.handle import DeploymentHandle
 from steadyrl.reward.base import check_scores
 from steadyrl.reward.config import FEATURE_KINDS
 from steadyrl.reward.ensemble import EnsembleScores, combine_scores
-from steadyrl.reward.weighting import RewardWeighting
 from steadyrl.reward.factory import build_reward_model, parse_reward_spec
 from steadyrl.reward.verifiers import VerifierReward
+from steadyrl.reward.weighting import RewardWeighting
 from steadyrl.rollout.digits import IMAGE_SHAPE
 from steadyrl.services.serving.errors import HEALTH_TIMEOUT_S, ModelsNotAnswering
 from steadyrl.services.serving.guard import RestSettings
 from steadyrl.services.serving.rest import build_rest_api
-from steadyrl.services.serving.schemas import (SCORE_ROUTE, Batch, HealthResponse, ModelInfo, ModelsResponse,
-                                               RestProfile, ScoreResponse)
+from steadyrl.services.serving.schemas import SCORE_ROUTE, HealthResponse, ModelInfo, ModelsResponse, ScoreResponse
+from steadyrl.services.testbeds.rest import Batch, RestProfile
 
 HEALTH_PROMPT = "health check"
 

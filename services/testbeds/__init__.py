@@ -10,12 +10,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from steadyrl.services.testbeds.arith import ArithSettings, ArithTestbed
+from steadyrl.services.testbeds.arith.masked import ArithSettings, ArithTestbed
 from steadyrl.services.testbeds.base import Testbed
-from steadyrl.services.testbeds.digits import DigitsSettings, DigitsTestbed
+from steadyrl.services.testbeds.digits.testbed import DigitsSettings, DigitsTestbed
 from steadyrl.services.testbeds.registry import DEFAULT_TESTBED, TESTBED_SETTINGS, TESTBEDS
 from steadyrl.services.testbeds.settings import TestbedSettings
-from steadyrl.services.testbeds.text_to_image import TextToImageSettings, TextToImageTestbed
+from steadyrl.services.testbeds.text_to_image.testbed import TextToImageSettings, TextToImageTestbed
 
 if TYPE_CHECKING:
     from steadyrl.services.config import TrainConfig

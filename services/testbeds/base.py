@@ -10,7 +10,7 @@ from torch import Tensor, nn
 from steadyrl.reward.ensemble import EnsembleScores, RewardEnsemble
 from steadyrl.reward.ensemble_spec import EnsembleSpec
 from steadyrl.rollout.batch import RolloutBatch
-from steadyrl.services.serving.schemas import RestProfile
+from steadyrl.services.testbeds.rest import RestProfile
 from steadyrl.services.testbeds.settings import TestbedSettings
 
 if TYPE_CHECKING:
@@ -69,7 +69,7 @@ class Testbed(ABC):
         directory nor in the hub cache (online: nor served by the hub), raised before Ray starts and before a run
         folder exists; otherwise a loader fails later, in an actor, with a long traceback."""
         from steadyrl.rollout.model_sources import ModelsUnavailable, check_model_sources
-        from steadyrl.services.config import ConfigError
+        from steadyrl.rollout.settings_base import ConfigError
 
         try:
             check_model_sources(self.reward_model_sources() if rewards_only else self.model_sources())

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Callable, ClassVar
 
 from torch import Tensor
 
-from steadyrl.rollout.config import StrictModel
+from steadyrl.rollout.settings_base import StrictModel
 
 if TYPE_CHECKING:
     from steadyrl.services.config import TrainConfig

@@ -91,7 +91,7 @@ def test_the_native_weight_transfer_api_receives_learner_rank_0s_broadcast(full_
     import socket
     import threading
 
-    from steadyrl.trainer.weight_broadcast import WeightBroadcastGroup
+    from steadyrl.rollout.weight_broadcast import WeightBroadcastGroup
 
     engine, base = full_engine
     new = policy(seed=2)

@@ -9,8 +9,8 @@ import signal
 import pytest
 
 from steadyrl.services.config import CONFIG_DIR
-from steadyrl.services.controller import train
-from steadyrl.services.report import read_metrics
+from steadyrl.services.driver.controller import train
+from steadyrl.services.run_folder.metrics import read_metrics
 from tests.helpers import actor_pid, steps_logged, train_in_thread, wait_for
 
 PRESET = CONFIG_DIR / "arith-ar-vllm-grpo.yaml"

@@ -33,8 +33,8 @@ from pydantic import Field, model_validator
 from torch import Tensor, nn
 
 from steadyrl.rollout.batch import RolloutBatch
-from steadyrl.rollout.config import StrictModel
 from steadyrl.rollout.likelihood import SequenceLogProb
+from steadyrl.rollout.settings_base import StrictModel
 from steadyrl.trainer.advantages import batch_advantages
 
 

@@ -1,0 +1,380 @@
+"""The controller: the training loop over a runtime's rollout pool and learner.
+
+    for step:  launch rollouts (up to learner.max_staleness steps ahead) -> collect them (sampled and scored)
+               -> update the learner -> publish its weights to the pool -> log, evaluate, checkpoint
+
+The runtime is Ray (`services.runtime.ray_runtime`: actors, the Serve reward ensemble, DeepSpeed ranks; batches move as
+ObjectRefs and the driver only ever fetches small summaries and evaluation grids) or local
+(`services.runtime.local_runtime`: the same interfaces in one process). The loop, metrics, checkpoints and evaluation are this
+code for both.
+"""
+from __future__ import annotations
+
+import json
+import sys
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.table import Table
+
+from steadyrl.rollout.cache import write_text_atomically
+from steadyrl.services.config import ConfigError, TrainConfig, dump_config, load_config
+from steadyrl.services.driver.resume import check_resume, record_resume
+from steadyrl.services.driver.run_health import RunHealth
+from steadyrl.services.run_folder.checkpoints import (ACTORS_FILE, CHECKPOINTS, CONTROLLER_STATE, RunFailed,  # noqa: F401
+                                           checkpoint_before, drop_checkpoints_after, latest_checkpoint,
+                                           latest_state, new_checkpoint, resume_hint)
+from steadyrl.services.run_folder.figures import save_curves
+from steadyrl.services.run_folder.metrics import MetricsWriter, read_metrics
+from steadyrl.services.runtime.driver_bytes import DRIVER_FETCHES
+from steadyrl.services.runtime.failures import ComponentFailed
+from steadyrl.services.runtime.signals import stop_status
+from steadyrl.services.testbeds import build_testbed
+from steadyrl.trainer.collapse import Collapse
+
+
+@dataclass
+class RunResult:
+    run_dir: Path
+    steps_done: int
+    base_eval: dict[str, Any] | None
+    final_eval: dict[str, Any] | None
+    interrupted: bool = False
+    exit_status: int = 0  # 130 after Ctrl-C, 143 after SIGTERM (`signals.stop_status`)
+    timing: dict[str, float] = field(default_factory=dict)
+
+
+def new_run_dir(cfg: TrainConfig) -> Path:
+    if cfg.run.run_dir:
+        return Path(cfg.run.run_dir)
+    stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
+    return Path("runs") / f"{cfg.run.name}-{stamp}"
+
+
+class Stopwatch:
+    """Wall-clock seconds of named phases, as `timing_s/<phase>` metrics."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+
+    @contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[f"timing_s/{name}"] = time.perf_counter() - t0
+
+
+def require_ray(what: str, instead: str = "train in this one process without Ray: `steadyrl train --local ...` "
+                "(run.runtime=local)") -> None:
+    """A clear error, before anything starts, where Ray is not installed (an air-gapped GPU node, say): only the
+    Ray runtime and the Serve app need it."""
+    import importlib.util
+
+    if importlib.util.find_spec("ray") is None:
+        raise ConfigError(f"{what} needs Ray, which is not installed in this Python ({sys.executable}): install it "
+                          f"(`pip install 'ray[serve]'`){', or ' + instead if instead else ''}")
+
+
+def check_can_start(cfg: TrainConfig) -> None:
+    """What is known before anything starts or is written, as a ConfigError: every model the run loads is to be
+    had (a local directory or the hub cache), and Ray is installed where the runtime is Ray's."""
+    build_testbed(cfg).require_models()
+    if cfg.run.runtime == "ray":
+        require_ray("run.runtime=ray")
+
+
+def build_runtime(cfg: TrainConfig, testbed, run_dir: Path, console: Console):
+    """The runtime `run.runtime` names: "ray" (actors, Serve, DeepSpeed ranks) or "local" (one process)."""
+    if cfg.run.runtime == "local":
+        from steadyrl.services.runtime.local_runtime import LocalRuntime
+
+        return LocalRuntime(cfg, testbed, run_dir, console)
+    from steadyrl.services.runtime.ray_runtime import RayRuntime  # `check_can_start` made sure Ray is there
+
+    return RayRuntime(cfg, testbed, run_dir, console)
+
+
+class Controller:
+    def __init__(self, cfg: TrainConfig, run_dir: Path, console: Console | None = None, resume: bool = False):
+        self.cfg = cfg
+        self.testbed = build_testbed(cfg)
+        self.run_dir = Path(run_dir)
+        self.console = console or Console()
+        self.resume = resume
+        self.runtime = build_runtime(cfg, self.testbed, self.run_dir, self.console)
+        self.evals: list[dict[str, Any]] = []
+        self.version = 0  # learner updates behind the weights last published (= steps done)
+        self.health = RunHealth(cfg.health, self.run_dir, cfg.learner.max_staleness)
+
+    # ---------------------------------------------------------------- the loop
+    def run(self) -> RunResult:
+        cfg = self.cfg
+        interrupted, exit_status = False, 0
+        start = steps_done = 0
+        writer: MetricsWriter | None = None
+        timing_sums: dict[str, float] = {}
+        try:
+            self.setup()
+            writer = MetricsWriter(self.run_dir, cfg.run.loggers, cfg.model_dump(mode="json"), self.resume)
+            start = steps_done = self.restore() if self.resume else 0
+            if not self.resume:
+                self.evaluate(0)
+                if cfg.health.rollback.enabled:
+                    self.checkpoint(0)  # a collapse in the first updates has somewhere to go back to
+            next_launch = max([start, *[s + 1 for s in self.pool.in_flight()]])  # a resume relaunched some
+            with self.progress_bar(start) as bar:
+                step = start
+                while step < cfg.run.steps:
+                    watch = Stopwatch()
+                    DRIVER_FETCHES.take()  # what the driver fetched since (evaluations, checkpoints) is not the step's
+                    with watch.phase("step"):
+                        self.pool.begin_step()
+                        # pipelining (learner.max_staleness = s): rollouts of steps up to step + s start now with
+                        # the current weights and run while the learner trains; s = 0 is the synchronous loop
+                        while next_launch < cfg.run.steps and next_launch <= step + cfg.learner.max_staleness:
+                            self.pool.launch(next_launch)
+                            next_launch += 1
+                        with watch.phase("collect"):
+                            batches, summaries = self.pool.collect(step)
+                        metrics = self.learner.update(batches, self.health.controls(step))
+                        self.version += 1
+                        with watch.phase("sync"):
+                            self.pool.publish(self.version)
+                    steps_done = step + 1
+                    metrics = self.step_metrics(metrics, summaries, watch.seconds)
+                    collapse = self.health.watch(steps_done, metrics, self.learner)
+                    writer.write(steps_done, metrics)
+                    for k, v in metrics.items():
+                        if k.startswith("timing_s/"):
+                            timing_sums[k] = timing_sums.get(k, 0.0) + v
+                    bar(steps_done, metrics)
+                    target = None if collapse is None else self.healthy_checkpoint(collapse)
+                    if target is not None:
+                        step = steps_done = self.roll_back(target, collapse)
+                        next_launch = step
+                        bar(steps_done, metrics)
+                        continue
+                    last = steps_done == cfg.run.steps
+                    if steps_done % cfg.run.eval_every == 0 or last:
+                        self.evaluate(steps_done)
+                    if self.checkpoint_due(steps_done) or last:
+                        self.checkpoint(steps_done)
+                    step += 1
+        except ComponentFailed as err:
+            raise RunFailed(f"{err.during(steps_done + 1)}; nothing after step {steps_done} was kept"
+                            + resume_hint(self.run_dir)) from None
+        except KeyboardInterrupt as err:  # Ctrl-C, or SIGTERM (`signals.Terminated`)
+            interrupted, exit_status = True, stop_status(err)
+            ckpt = latest_checkpoint(self.run_dir)
+            self.console.print(f"[yellow]interrupted after step {steps_done}; last checkpoint: "
+                               f"{ckpt if ckpt else 'none'} (resume with `steadyrl train --resume {self.run_dir}`)",
+                               soft_wrap=True)
+        finally:
+            if writer is not None:
+                writer.close()
+            self.runtime.shutdown()
+        save_curves(read_metrics(self.run_dir), self.evals, self.run_dir / "curves.png")
+        n = max(1, steps_done - start)
+        result = RunResult(self.run_dir, steps_done, self.evals[0] if self.evals and self.evals[0]["step"] == 0 else None,
+                           self.evals[-1] if self.evals else None, interrupted, exit_status,
+                           {k: v / n for k, v in timing_sums.items()})
+        if cfg.run.progress:
+            self.console.print(summary_table(result, self.testbed.labels, self.testbed.headline))
+        return result
+
+    # ---------------------------------------------------------------- its pieces
+    def setup(self) -> None:
+        cfg = self.cfg
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        if not self.resume:
+            write_text_atomically(self.run_dir / "config.yaml", dump_config(cfg))
+        self.testbed.preflight()  # a bad sampler setting, token id or prompt fails here, before Ray starts
+        base_model = self.testbed.base_weights(progress=cfg.run.progress)
+        with self.console.status("reward models (built and cached on first use)"):
+            self.testbed.prepare_rewards(self.console if cfg.run.progress else None)
+        self.pool, self.learner = self.runtime.start(base_model)
+
+    def step_metrics(self, metrics: dict[str, float], summaries: list[dict[str, float]],
+                     seconds: dict[str, float]) -> dict[str, float]:
+        """The learner's metrics, the rollouts' merged summaries, fault counts, the phases' timings and what the
+        driver fetched during the step (`handoff/*`, `services.runtime.driver_bytes`; evaluations are counted apart)."""
+        metrics.update(merge_summaries(summaries))
+        metrics.update(seconds)
+        metrics.update(DRIVER_FETCHES.take())
+        metrics["faults/rollout_restarts"] = float(self.pool.restarts_this_step)
+        metrics["rollout/samples"] = metrics.pop("n")
+        metrics["perf/samples_per_s"] = metrics["rollout/samples"] / metrics["timing_s/step"]
+        return metrics
+
+    def progress_bar(self, start: int) -> Any:
+        """A context manager yielding `update(steps_done, metrics)` for the run's progress bar."""
+        cfg, testbed = self.cfg, self.testbed
+        proxy_label, gold_label = testbed.labels
+        progress = Progress(
+            TextColumn("[bold]RL"), BarColumn(), MofNCompleteColumn(),
+            TextColumn(proxy_label + " {task.fields[proxy]:.3f}  " + gold_label + " {task.fields[gold]:"
+                       + testbed.headline_format + "}  KL {task.fields[kl]:.1e}  {task.fields[dt]:.2f}s/step"),
+            TimeElapsedColumn(), TimeRemainingColumn(), console=self.console, disable=not cfg.run.progress,
+        )
+
+        @contextmanager
+        def bar() -> Iterator[Callable[[int, dict[str, float]], None]]:
+            with progress:
+                task = progress.add_task("rl", total=cfg.run.steps, completed=start, proxy=0.0, gold=0.0, kl=0.0,
+                                         dt=0.0)
+                yield lambda done, m: progress.update(
+                    task, completed=done, proxy=m["reward/train_mean"], gold=m["reward/held_out"],
+                    kl=m["policy/kl_ref_monitor"], dt=m["timing_s/step"])
+
+        return bar()
+
+    def evaluate(self, step: int) -> dict[str, Any]:
+        DRIVER_FETCHES.take()  # the evaluation's fetches are counted apart from the steps'
+        result = self.pool.evaluate(self.cfg.run.eval_seed)
+        DRIVER_FETCHES.evaluated(step)
+        result["step"] = step
+        self.testbed.save_eval(result, self.run_dir / f"samples_step_{step:04d}",
+                               f"step {step}: {self.testbed.headline_text(result['held_out'])}")
+        self.evals.append(result)
+        write_text_atomically(self.run_dir / "evals.json", json.dumps(self.evals, indent=1))
+        return result
+
+    def checkpoint_due(self, steps_done: int) -> bool:
+        rollback = self.cfg.health.rollback
+        return steps_done % self.cfg.run.checkpoint_every == 0 or (
+            rollback.enabled and steps_done % rollback.checkpoint_every == 0)
+
+    def checkpoint(self, step: int) -> Path:
+        """checkpoints/step_N, written atomically: the learner's state, the weights of rollouts in flight
+        (pipelining: a resume relaunches them as they were) and the controller's state."""
+        with new_checkpoint(self.run_dir, step) as tmp:
+            self.learner.save(str(tmp))
+            self.pool.save_in_flight(tmp)
+            (tmp / CONTROLLER_STATE).write_text(json.dumps({
+                "step": step, "evals": len(self.evals), "version": self.version,
+                "pending": {str(j): v for j, v in self.pool.in_flight().items()},
+                "health": self.health.state_dict()}))
+        return self.run_dir / CHECKPOINTS / f"step_{step}"
+
+    def restore(self) -> int:
+        """Resume from the latest checkpoint (its health state too); returns its step."""
+        ckpt, state = latest_state(self.run_dir)
+        if state.get("health"):
+            self.health.load_state_dict(state["health"])
+        self.load_checkpoint(ckpt, state)
+        return int(state["step"])
+
+    def load_checkpoint(self, ckpt: Path, state: dict[str, Any]) -> list[str]:
+        """The learner, evaluations, published weights and in-flight rollouts as checkpoint `ckpt` has them;
+        metrics.jsonl loses its rows past the checkpoint, which are returned."""
+        self.learner.load(str(ckpt))
+        evals_path = self.run_dir / "evals.json"
+        self.evals = json.loads(evals_path.read_text())[: state["evals"]] if evals_path.exists() else []
+        write_text_atomically(evals_path, json.dumps(self.evals, indent=1))
+        self.version = int(state.get("version", state["step"]))
+        self.pool.publish(self.version)
+        self.pool.relaunch(state.get("pending", {}), ckpt)
+        # metrics.jsonl may hold steps past the checkpoint: drop them so the log matches the state
+        path, dropped = self.run_dir / "metrics.jsonl", []
+        if path.exists():
+            rows = [r for r in path.read_text().splitlines() if r]
+            kept = [r for r in rows if json.loads(r)["step"] <= state["step"]]
+            dropped = rows[len(kept):]
+            write_text_atomically(path, "".join(r + "\n" for r in kept))
+        return dropped
+
+    def healthy_checkpoint(self, collapse: Collapse) -> Path | None:
+        """The newest checkpoint before the weights `collapse` blames (None: there is none; the run goes on)."""
+        ckpt = checkpoint_before(self.run_dir, collapse.bad_version)
+        if ckpt is None:
+            self.console.print(f"[yellow]collapse at step {collapse.step} ({'; '.join(collapse.reasons)}) but no "
+                               f"checkpoint before step {collapse.bad_version} to roll back to", soft_wrap=True)
+            self.health.collapse.rewind(collapse.step)  # the flags start again, not repeated every step
+        return ckpt
+
+    def roll_back(self, ckpt: Path, collapse: Collapse) -> int:
+        """Restore checkpoint `ckpt` (a healthy one), drop what came after it (rollouts in flight, later
+        checkpoints, metric rows: kept in rollbacks/), lower the learning rate; returns its step."""
+        state = json.loads((ckpt / CONTROLLER_STATE).read_text())
+        self.pool.discard_in_flight()
+        drop_checkpoints_after(self.run_dir, int(state["step"]))
+        abandoned = self.load_checkpoint(ckpt, state)
+        self.health.rolled_back(collapse, int(state["step"]), abandoned)
+        # the restored checkpoint now carries the rollback (its lr scale, counts), so a resume from it does not
+        # replay the collapse at the old learning rate
+        write_text_atomically(ckpt / CONTROLLER_STATE, json.dumps({**state, "health": self.health.state_dict()}))
+        self.console.print(f"[red]collapse at step {collapse.step}: {'; '.join(collapse.reasons)}; rolled back to "
+                           f"step {state['step']} with the learning rate x{self.health.lr_scale:g} "
+                           f"(rollback {self.health.rollbacks}/{self.cfg.health.rollback.max_rollbacks})",
+                           soft_wrap=True)
+        return int(state["step"])
+
+
+def merge_summaries(summaries: list[dict[str, float]]) -> dict[str, float]:
+    """Sample-weighted mean of the workers' summaries (timings: the slowest worker; counts of faults: the sum)."""
+    total = sum(s["n"] for s in summaries)
+    out: dict[str, float] = {"n": total}
+    for k in summaries[0]:
+        if k == "n":
+            continue
+        if k.startswith("timing_s/"):
+            out[k] = max(s[k] for s in summaries)
+        elif k.startswith("faults/"):
+            out[k] = sum(s[k] for s in summaries)
+        else:
+            out[k] = sum(s[k] * s["n"] for s in summaries) / total
+    return out
+
+
+def _percent(value: float, breakdown: bool = False) -> str:
+    return format(value, ".0%" if breakdown else ".1%")
+
+
+def summary_table(result: RunResult, labels: tuple[str, str] = ("proxy", "gold"),
+                  headline: Callable[..., str] = _percent) -> Table:
+    """Base vs final evaluation (`headline` formats the held-out figure: the testbed's `headline`)."""
+    table = Table(title=f"steadyrl run summary  ({result.run_dir})")
+    table.add_column("prompts")
+    table.add_column(f"{labels[1]} base", justify="right")
+    table.add_column(f"{labels[1]} final", justify="right")
+    base, final = result.base_eval, result.final_eval
+    if base and final:
+        for key, b in base["breakdown"].items():
+            f = final["breakdown"].get(key)
+            table.add_row(key, headline(b, breakdown=True), "-" if f is None else headline(f, breakdown=True))
+        table.add_row("[bold]all", f"[bold]{headline(base['held_out'])}", f"[bold]{headline(final['held_out'])}")
+        table.add_row(f"{labels[0]} reward", f"{base['proxy_mean']:.3f}", f"{final['proxy_mean']:.3f}")
+        table.add_row("diversity (nn)", f"{base['diversity_nn']:.2f}", f"{final['diversity_nn']:.2f}")
+    if result.timing:
+        split = "  ".join(f"{k.split('/')[1]} {v:.2f}s" for k, v in sorted(result.timing.items()))
+        table.caption = f"steps {result.steps_done}; mean per step: {split}"
+    return table
+
+
+def train(config: str | Path | None = None, overrides: list[str] | tuple[str, ...] = (),
+          resume_dir: str | Path | None = None, console: Console | None = None,
+          allow_changes: bool = False) -> RunResult:
+    """Entry point shared by the CLI and `python -m steadyrl.services.driver.job`. A resume checks the overrides
+    against the run's config (`services.driver.resume`), records them and keeps config.yaml the run's current one."""
+    if resume_dir is not None:
+        run_dir = Path(resume_dir)
+        saved = load_config(run_dir / "config.yaml")
+        cfg = load_config(run_dir / "config.yaml", overrides)
+        check_can_start(cfg)  # before Ray starts and a resume is recorded
+        step = int(latest_state(run_dir)[1]["step"])
+        changes = check_resume(saved, cfg, step, allow_changes)
+        record_resume(run_dir, step, changes)
+        if changes:
+            write_text_atomically(run_dir / "config.yaml", dump_config(cfg))
+        return Controller(cfg, run_dir, console, resume=True).run()
+    cfg = load_config(config, overrides)
+    check_can_start(cfg)  # before Ray starts and the run folder exists
+    return Controller(cfg, new_run_dir(cfg), console).run()

@@ -1,0 +1,58 @@
+"""What `steadyrl train --resume` may change: a resumed run continues the one in the folder, so an override
+that would change what it computes (the objective, its settings, the sampler, the model, the seed, the number
+of rollout workers, which picks the sampling noise...) is refused unless asked for, and every resume is
+recorded in the run folder (`resumes.jsonl`), as torchtune checks a resumed run against its config.
+"""
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+from steadyrl.services.config import ConfigError, TrainConfig
+from steadyrl.services.run_folder.trackers import flatten
+
+RESUMES_LOG = "resumes.jsonl"
+
+# Settings that change where or how long the run goes, never what a step computes.
+RESUME_SAFE: frozenset[str] = frozenset({
+    "run.steps", "run.progress", "run.runtime", "run.eval_every", "run.checkpoint_every", "run.run_dir",
+    "run.loggers",
+    "ray.address", "ray.num_cpus", "ray.actor_cpus", "ray.placement_timeout_s", "ray.learner_placement",
+    "ray.step_timeout_s", "ray.max_rollout_retries", "ray.weight_sync", "ray.rollout_placement",
+    "serve.host", "serve.port", "serve.replica_cpus", "serve.max_request_samples", "serve.max_body_bytes",
+    "serve.auth_token_env", "serve.auth_token_file", "serve.request_timeout_s", "serve.max_retries",
+    "serve.retry_backoff_s",
+})
+
+
+def config_changes(saved: TrainConfig, resumed: TrainConfig) -> dict[str, tuple[Any, Any]]:
+    """Every setting whose value differs, as {dotted.name: (saved, resumed)}."""
+    old, new = flatten(saved.model_dump(mode="json")), flatten(resumed.model_dump(mode="json"))
+    return {k: (old.get(k), new.get(k)) for k in sorted(old.keys() | new.keys()) if old.get(k) != new.get(k)}
+
+
+def check_resume(saved: TrainConfig, resumed: TrainConfig, from_step: int,
+                 allow_changes: bool = False) -> dict[str, tuple[Any, Any]]:
+    """The changes a resume makes; raises ConfigError naming each one outside RESUME_SAFE (unless
+    `allow_changes`) and when run.steps does not reach past the checkpoint."""
+    changes = config_changes(saved, resumed)
+    meaning = [k for k in changes if k not in RESUME_SAFE]
+    if meaning and not allow_changes:
+        listed = ", ".join(f"{k}: {changes[k][0]!r} -> {changes[k][1]!r}" for k in meaning)
+        raise ConfigError(f"--resume would change what the run computes ({listed}); resume without these overrides, "
+                          f"start a new run, or pass --allow-changes to continue anyway (recorded in {RESUMES_LOG})")
+    if resumed.run.steps <= from_step:
+        raise ConfigError(f"run.steps={resumed.run.steps}: the latest checkpoint is already at step {from_step}; "
+                          f"pass run.steps=N with N > {from_step} to train further")
+    return changes
+
+
+def record_resume(run_dir: Path, from_step: int, changes: dict[str, tuple[Any, Any]]) -> None:
+    """Append one line to the run folder's resume log: when, from which step, and what changed."""
+    entry = {"time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "from_step": from_step,
+             "changes": {k: {"saved": a, "resumed": b} for k, (a, b) in changes.items()},
+             "meaning_changed": sorted(k for k in changes if k not in RESUME_SAFE)}
+    with (Path(run_dir) / RESUMES_LOG).open("a") as f:
+        f.write(json.dumps(entry) + "\n")

@@ -1,0 +1,84 @@
+"""Run-folder figures: sample grids (digits, text-to-image) and the training curves (PNG, matplotlib)."""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import torch  # noqa: E402
+
+from steadyrl.rollout.digits import to_unit_range  # noqa: E402
+
+
+def save_sample_grid(grid: torch.Tensor, path: Path, title: str, per_class_acc: list[float] | None = None) -> None:
+    """grid [classes, n, 1, H, W] -> one row per class, labelled with the gold accuracy."""
+    classes, n = grid.shape[:2]
+    imgs = to_unit_range(grid)
+    fig, axes = plt.subplots(classes, n, figsize=(n * 0.6 + 1.2, classes * 0.6 + 0.6), squeeze=False)
+    for c in range(classes):
+        for j in range(n):
+            ax = axes[c][j]
+            ax.imshow(imgs[c, j, 0].numpy(), cmap="gray_r", vmin=0, vmax=1, interpolation="nearest")
+            ax.set_xticks([])
+            ax.set_yticks([])
+        label = f"{c}" if per_class_acc is None else f"{c}: {per_class_acc[c]:.0%}"
+        axes[c][0].set_ylabel(label, rotation=0, labelpad=18, fontsize=8, va="center")
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+
+
+def save_image_grid(images: torch.Tensor, captions: list[str], path: Path, title: str, columns: int = 8,
+                    max_images: int = 32) -> None:
+    """RGB images [B,3,H,W] in [-1, 1] in rows of `columns`, each captioned (prompt and reward)."""
+    images = to_unit_range(images[:max_images]).clamp(0, 1)
+    n = len(images)
+    cols = min(columns, n)
+    rows = -(-n // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(cols * 1.6, rows * 1.8 + 0.4), squeeze=False)
+    for i, ax in enumerate(axes.flat):
+        ax.set_xticks([])
+        ax.set_yticks([])
+        if i < n:
+            ax.imshow(images[i].permute(1, 2, 0).numpy(), interpolation="nearest")
+            ax.set_title(captions[i], fontsize=5)
+        else:
+            ax.axis("off")
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def save_curves(rows: list[dict[str, float]], evals: list[dict[str, Any]], path: Path) -> None:
+    """Proxy reward, gold accuracy (per step and at evals) and diversity over steps."""
+    fig, axes = plt.subplots(1, 3, figsize=(13, 3.6))
+    steps = [r["step"] for r in rows]
+
+    def line(ax, key: str, label: str) -> None:
+        if rows and key in rows[0]:
+            ax.plot(steps, [r.get(key, math.nan) for r in rows], label=label, alpha=0.8)
+
+    line(axes[0], "reward/train_mean", "proxy reward (train batch)")
+    line(axes[0], "reward/ensemble_mean", "ensemble mean")
+    axes[0].set_title("reward")
+    line(axes[1], "reward/held_out", "gold acc. (train batch)")
+    if evals:
+        axes[1].plot([e["step"] for e in evals], [e["held_out"] for e in evals], "o-", label="gold acc. (eval)")
+    axes[1].set_title("gold accuracy (reward hacking check)")
+    line(axes[2], "diversity/nn_distance", "nearest-neighbour feature distance")
+    if evals:
+        axes[2].plot([e["step"] for e in evals], [e["diversity_nn"] for e in evals], "o-", label="eval")
+    axes[2].set_title("diversity")
+    for ax in axes:
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
