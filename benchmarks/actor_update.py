@@ -6,7 +6,7 @@ side by side, first with Ray's processes beside them, then with Serve and the re
 
 One batch is sampled and scored in this process (the product's `Rollouts` and in-process reward ensemble), without
 its policy version, so every update below takes it as current. Each update recomputes the old log-probs
-(`learner.old_logp=recompute`: every update the same work). The same `LearnerRank` code runs
+(`learner.old_logp=recompute`: every update the same work). The same `learner_rank` code runs
 
 - in this process, before Ray starts (`alone`);
 - after `init_ray` (the product's local Ray: GCS, raylet, its workers) alternately in this process (`process`) and
@@ -41,7 +41,7 @@ from services_overhead import cpu_by_role, process_tree_cpu  # noqa: E402
 from steadyrl.rollout.batch import POLICY_VERSION  # noqa: E402
 from steadyrl.rollout.numerics import using_threads  # noqa: E402
 from steadyrl.services.config import load_config  # noqa: E402
-from steadyrl.services.runtime.learner_rank import LearnerRank  # noqa: E402
+from steadyrl.services.runtime.learner_rank import build_rank, update_on  # noqa: E402
 from steadyrl.services.runtime.local_runtime import LocalScorer  # noqa: E402
 from steadyrl.services.runtime.rank_env import free_port, torch_threads  # noqa: E402
 from steadyrl.services.runtime.rollouts import Rollouts  # noqa: E402
@@ -72,12 +72,11 @@ def main() -> None:
         rollouts, scorer = Rollouts(cfg, base), LocalScorer(testbed.reward_ensemble())
         batch = rollouts.generate(0, 0, 1, scorer)[0]
     batch = batch.replace(extras={k: v for k, v in batch.extras.items() if k != POLICY_VERSION})
-    rank = LearnerRank(cfg)
-    rank.build(base, "127.0.0.1", free_port())
-    rank.update(batch)  # warm-up
+    learner = build_rank(cfg, base, 0, 1, "127.0.0.1", free_port())
+    update_on(learner, [batch])  # warm-up
 
     def in_process() -> float:
-        return rank.update(batch)["timing_s/update"]
+        return update_on(learner, [batch])["timing_s/update"]
 
     times: dict[str, list[float]] = {"alone": [in_process() for _ in range(args.repeats)]}
     cpu: dict[str, dict[str, float]] = {}

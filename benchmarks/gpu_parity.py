@@ -1,7 +1,7 @@
 """CPU/GPU parity of a run's first step, from the same seed and weights, with the local runtime's own parts.
 
 `first_step(cfg, device)` builds what `steadyrl train --local` builds (the testbed's base weights, one
-`Rollouts` worker, the in-process reward ensemble, one DeepSpeed `LearnerRank`) on `device` and records:
+`Rollouts` worker, the in-process reward ensemble, one DeepSpeed learner rank) on `device` and records:
 
     rollout_logp     the rollout's stored per-step log-probs of its own samples             [B, T]
     recomputed_logp  the learner's no-grad recompute at the base weights, on the reference batch
@@ -58,7 +58,7 @@ def first_step(cfg: Any, device: str, reference: Any | None = None) -> dict[str,
     own = own.to(device="cpu")
     learner = LocalLearner(cfg, base)
     learner.start()
-    trainer = learner.rank.learner
+    trainer = learner.learner
     batch = own if reference is None else reference
 
     def recompute(b):

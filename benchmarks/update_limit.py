@@ -6,7 +6,7 @@
 Each repeat samples one batch with the product's rollout code (`services.runtime.rollouts.Rollouts`, scored by the
 in-process reward ensemble) at the learner's current weights, then times on that batch, in rotating order:
 
-- ours, recompute:  `LearnerRank.update` (the DeepSpeed engine, objective, term producer, health panel) with the
+- ours, recompute:  `learner_rank.update_on` (the DeepSpeed engine, objective, term producer, health panel) with the
                     no-grad pre-pass recomputing the old log-probs at every trained step (`learner.old_logp:
                     recompute`, the behaviour before `auto` existed);
 - ours, trusted:    the same update between two checks of `learner.old_logp: auto` (the default): the rollout's
@@ -41,7 +41,7 @@ from steadyrl.rollout.batch import POLICY_VERSION  # noqa: E402
 from steadyrl.rollout.numerics import using_threads  # noqa: E402
 from steadyrl.rollout.policy import load_trainable_state, trainable_state  # noqa: E402
 from steadyrl.services.config import load_config  # noqa: E402
-from steadyrl.services.runtime.learner_rank import LearnerRank  # noqa: E402
+from steadyrl.services.runtime.learner_rank import build_rank, update_on  # noqa: E402
 from steadyrl.services.runtime.local_runtime import LocalScorer  # noqa: E402
 from steadyrl.services.runtime.rank_env import free_port, torch_threads  # noqa: E402
 from steadyrl.services.runtime.rollouts import Rollouts  # noqa: E402
@@ -111,9 +111,7 @@ def main() -> None:
     base = load_file(str(testbed.base_weights(progress=True)))
     testbed.prepare_rewards(None)
     with using_threads(threads):
-        rank = LearnerRank(cfg)
-        rank.build(base, "127.0.0.1", free_port())
-        learner = rank.learner
+        learner = build_rank(cfg, base, 0, 1, "127.0.0.1", free_port())
         rollouts, scorer = Rollouts(cfg, base), LocalScorer(testbed.reward_ensemble())
         plain = PlainLoop(cfg, testbed, base, rollouts.sampler)
 
@@ -127,7 +125,7 @@ def main() -> None:
         # the check: one update of each from the same weights, fresh optimisers, the same random draws
         batch, start = fresh_batch(0), learner.weights()
         generator_state = learner.generator.get_state()
-        first = rank.update(batch)
+        first = update_on(learner, [batch])
         load_trainable_state(plain.policy, start)
         plain.update(batch, torch.Generator().set_state(generator_state), learner.batch_train_steps())
         ours_w, plain_w = learner.weights(), trainable_state(plain.policy)
@@ -143,7 +141,7 @@ def main() -> None:
         def ours(mode: str):
             def run(b):
                 trust.mode, trust.trusted = mode, True
-                return rank.update(b)
+                return update_on(learner, [b])
             return run
 
         variants = {"recompute": ours("recompute"), "trusted": ours("auto"),

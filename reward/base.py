@@ -16,6 +16,9 @@ class RewardModel(Protocol):
 
     def score(self, samples: Tensor, cond: Tensor) -> Tensor: ...
 
+    def health_probe(self) -> tuple[Tensor, Tensor | list[str]] | None:
+        """(samples, cond) of one input that `score` of a sound model scores finitely; None: nothing to probe."""
+
 
 def check_scores(name: str, scores: Tensor, batch: int) -> Tensor:
     """Reject wrong shapes and non-finite rewards with an error naming the model."""

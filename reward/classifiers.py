@@ -18,7 +18,7 @@ from safetensors.torch import load_file, save_file
 from torch import Tensor
 
 from steadyrl.rollout.cache import build_dir_atomically, build_key, cache_root, reproducible_build
-from steadyrl.rollout.digits import NUM_CLASSES, digit_splits, load_digits_tensors
+from steadyrl.rollout.digits import IMAGE_SHAPE, NUM_CLASSES, digit_splits, load_digits_tensors
 from steadyrl.rollout.settings_base import StrictModel
 
 Arch = Literal["cnn", "mlp", "linear", "wide_cnn"]
@@ -143,6 +143,10 @@ class DigitClassifierReward:
     @torch.no_grad()
     def features(self, samples: Tensor) -> Tensor:
         return self.model.body(samples.float().clamp(-1, 1)).flatten(1)
+
+    def health_probe(self) -> tuple[Tensor, Tensor]:
+        """A blank digit image and class 0."""
+        return torch.zeros(1, *IMAGE_SHAPE), torch.zeros(1, dtype=torch.long)
 
 
 def ensure_classifier(spec: ClassifierSpec) -> Path:

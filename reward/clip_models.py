@@ -25,6 +25,7 @@ from steadyrl.reward.prompt_text import normalize_prompt
 
 CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
+HEALTH_PROMPT = "health check"  # the prompt of `ClipReward.health_probe`
 DType = Literal["float32", "float16", "bfloat16"]
 DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -196,6 +197,10 @@ class ClipReward(ABC):
         with torch.no_grad():
             parts = [self._score(samples[s], prompts[s]).float().cpu() for s in chunks(batch, self.max_batch)]
         return torch.cat(parts) if parts else torch.zeros(0)
+
+    def health_probe(self) -> tuple[Tensor, list[str]]:
+        """A grey RGB image and a prompt."""
+        return torch.zeros(1, 3, 32, 32), [HEALTH_PROMPT]
 
     def features(self, samples: Tensor) -> Tensor:
         """L2-normalised CLIP image embeddings [B,D] (float32, CPU), e.g. for a diversity metric."""

@@ -34,3 +34,7 @@ class JpegCompressibilityReward:
 
     def score(self, samples: Tensor, cond: Tensor) -> Tensor:
         return -self.size_kb(samples)
+
+    def health_probe(self) -> tuple[Tensor, Tensor]:
+        """A grey RGB image (JPEG reads no conditioning: class 0)."""
+        return torch.zeros(1, 3, 32, 32), torch.zeros(1, dtype=torch.long)

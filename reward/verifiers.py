@@ -120,6 +120,10 @@ class VerifierReward:
         return self._score([self._prompt(p) for p in cond], [self.codec.decode(c) for c in samples],
                            self.partial_credit)
 
+    def health_probe(self) -> None:
+        """None: a pure function of text has no state to go stale."""
+        return None
+
     def correct(self, samples: Tensor, cond: Tensor) -> Tensor:
         """Exact 0/1 correctness (no partial credit): the held-out accuracy this testbed reports."""
         return self._score([self._prompt(p) for p in cond], [self.codec.decode(c) for c in samples], False)

@@ -45,6 +45,21 @@ class SamplerBase(StrictModel):
     group_size: int = Field(16, ge=2, description="samples per prompt (per class on digits): one GRPO group")
     min_std: float = Field(1e-3, gt=0.0, description="steps with a smaller std are deterministic, untrained")
 
+    prediction: ClassVar[str]  # what the model predicts: "epsilon", "velocity" or "tokens"
+
+    # what the learner's update paths ask of a sampler (trainer/update_path.py), known from the settings alone
+    @property
+    def sequence_level(self) -> bool:
+        """The training steps are Monte-Carlo samples of one sequence likelihood (a language model), not Gaussian
+        transitions x_t -> x_{t-1} (an image model's steps)."""
+        return self.prediction == "tokens"
+
+    @property
+    def redraws_token_masks(self) -> bool:
+        """The learner scores the new policy on masks of its own, not on the rollout's: the old and new per-token
+        log-probs are then of different positions."""
+        return False
+
 
 class DDIMSamplerConfig(SamplerBase):
     """DDIM on an epsilon-prediction UNet, eta > 0 so that every step but the last is a Gaussian policy."""
@@ -207,6 +222,12 @@ class MaskedDiffusionSamplerConfig(SamplerBase):
         "likelihood does not depend on how long the batch's other prompts are")
     group_size: int = Field(8, ge=2, description="completions per prompt: one GRPO group")
 
+    @property
+    def redraws_token_masks(self) -> bool:
+        """Independent masks redraw the completion's positions unless every position is masked (one_step: then
+        only the prompt's are redrawn)."""
+        return self.masks == "independent" and self.estimator != "one_step"
+
     @model_validator(mode="after")
     def _blocks(self) -> "MaskedDiffusionSamplerConfig":
         block = self.block_length or self.gen_length
@@ -308,6 +329,10 @@ class BlockDiffusionSamplerConfig(SamplerBase):
     @property
     def block(self) -> int:
         return self.canvas_length or self.gen_length
+
+    @property
+    def redraws_token_masks(self) -> bool:
+        return self.masks == "independent"
 
     @model_validator(mode="after")
     def _blocks(self) -> "BlockDiffusionSamplerConfig":

@@ -17,6 +17,7 @@ from steadyrl.trainer.collapse import RollbackConfig
 from steadyrl.trainer.config import DEFAULT_OBJECTIVE, LearnerConfig, ObjectiveConfig
 from steadyrl.trainer.linear_schedule import fill_total_updates
 from steadyrl.trainer.objectives import objective_class
+from steadyrl.trainer.update_path import update_path
 from steadyrl.trainer.objectives.grpo import GRPOSettings
 
 # the checkout's configs/ (editable install), else ./configs (a plain install run from the repo, as in the image)
@@ -49,7 +50,8 @@ class ServeConfig(StrictModel):
     max_ongoing_requests: int = Field(32, ge=1, description="calls one replica works on at once; a batch can "
                                       "only group calls in flight together (Serve's default, 5, caps it at 5)")
     max_request_samples: int = Field(256, ge=1, description="samples per REST request; more get a 422 naming "
-                                     "`samples`: bounds one request's latency and memory (20,000 digits took 7 s). "
+                                     "`samples`: bounds one request's latency and memory, so one client's request cannot "
+                                     "hold a replica for long. "
                                      "The in-cluster handle training uses is not limited")
     max_body_bytes: int = Field(16 * 2**20, ge=1024, description="largest REST request body; larger get a 413 "
                                 "before any JSON is parsed (a JSON body is decoded whole in memory)")
@@ -151,9 +153,9 @@ class RayConfig(StrictModel):
     keep_freed_memory: bool = Field(
         True, description="glibc malloc in the processes that sample and train (the local runtime's, rollout "
         "workers, learner ranks) keeps freed memory for the next step instead of returning it to the OS, where "
-        "each step's large CPU tensors come back as fresh pages the kernel faults in and zeroes. It took the tiny "
-        "SD3 rollout's 320k page faults to none and 13 % off its time, and the default job's local step 9 %; "
-        "through Ray the step read the same with or without it. false: glibc's own policy, for a process whose "
+        "each step's large CPU tensors come back as fresh pages the kernel faults in and zeroes. On by default "
+        "because that work repeats every step for the same tensors, at the cost of RSS held at its peak "
+        "(figures: docs/benchmarks.md). false: glibc's own policy, for a process whose "
         "RSS must shrink between steps (it stays at its peak). No effect on GPU memory or where the C library "
         "is not glibc")
     rollout_placement: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = Field(
@@ -262,17 +264,16 @@ class TrainConfig(StrictModel):
         if self.ray.rollout_workers > tb.max_workers():
             raise ValueError(f"ray.rollout_workers={self.ray.rollout_workers} exceeds the {tb.max_workers()} prompts "
                              f"per step of testbed {tb.name!r}")
-        if objective_class(self.objective.name).mode == "reward_backprop" and tb.no_reward_backprop is not None:
+        objective = objective_class(self.objective.name)
+        if objective.update_path == "reward_backprop" and tb.no_reward_backprop is not None:
             raise ValueError(f"objective.name={self.objective.name!r} back-propagates the training reward, but testbed "
                              f"{tb.name!r} cannot: {tb.no_reward_backprop}")
-        if objective_class(self.objective.name).mode == "forward_process" and self.sampler.kind != "flow_sde":
-            raise ValueError(f"objective.name={self.objective.name!r} trains a velocity (rectified-flow) model on its "
-                             f"clean samples re-noised: it needs sampler.kind='flow_sde', not {self.sampler.kind!r}")
+        update_path(objective, self.objective, self.sampler)  # the check the learner runs when it picks its path
         tb.check(self)
         if self.ray.weight_sync == "collective" and self.learner.max_staleness > 0:
             raise ValueError("ray.weight_sync=collective needs learner.max_staleness=0 (pipelined rollouts re-issued "
                              "after a worker restart need older weights, which only the object store keeps)")
-        if self.health.anomaly.enabled and float(getattr(self.objective, "kl_coef", 0.0)) <= 0:
+        if self.health.anomaly.enabled and self.objective.reference_kl_coef <= 0:
             raise ValueError(f"health.anomaly answers an event by raising the KL weight, but objective "
                              f"{self.objective.name!r} has no KL term (objective.kl_coef is 0 or absent): set "
                              "objective.kl_coef > 0 or leave health.anomaly.enabled off")
@@ -298,9 +299,9 @@ class TrainConfig(StrictModel):
             self.learner.kl_schedule.total_updates = self.run.steps
         fill_total_updates(self.learner, self.run.steps)  # the linear schedules (trainer/linear_schedule.py)
         fill_total_updates(self.objective, self.run.steps)
-        if getattr(self.objective, "block_thresholds", None) and self.learner.zero_stage > 0:
-            raise ValueError("objective.block_thresholds needs learner.zero_stage=0 (ZeRO 1-3 partition the gradients: "
-                             "a block's gradient matrices are not on one rank's parameters)")
+        refusal = self.objective.zero_partition_refusal()
+        if refusal is not None and self.learner.zero_stage > 0:
+            raise ValueError(refusal)
         return self
 
 

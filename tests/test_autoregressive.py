@@ -168,20 +168,31 @@ def test_a_sequence_level_behaviour_weight_applies_per_row_in_per_term_objective
      "testbed.pretrain.iterations=3"],
     ["testbed.task=file", "testbed.file.task_file=arith_addition"],  # the default base (shared with the e2e run)
 ])
-def test_the_causal_lm_runs_every_arith_task_through_the_product_loop_with_an_exact_recompute(task, tmp_path):
-    """Synthetic sudoku (a base of a few iterations) and a task file (the default base, whose rewards differ within
-    groups, so it takes gradient steps), each sampled, verified and updated by the local runtime of `steadyrl
-    train` (the Ray path: tests/test_e2e_arith_ar.py)."""
+def test_the_causal_lm_runs_every_arith_task_through_the_product_loop_with_an_exact_recompute_and_exact_updates(
+        task, tmp_path):
+    """Synthetic sudoku and a task file, each sampled, verified and updated for two steps by the local runtime of
+    `steadyrl train` (the Ray path: tests/test_e2e_arith_ar.py), the learner's recompute matching the sampled
+    log-probs. Sudoku's base (3 pre-training iterations) solves nothing, so every group's rewards tie: zero
+    advantages and a policy at its reference give no gradient, and the checkpoint is bitwise the base. The task
+    file's default base gets rewards that differ within groups, and its update moves every weight of the model."""
+    from safetensors.torch import load_file
+
     from tests.helpers import train_local
 
     result, rows = train_local(CONFIG_DIR / "arith-ar-grpo.yaml", tmp_path / "run",
-                               ["run.steps=2", "run.eval_every=2", "testbed.eval_problems=8",
+                               ["run.steps=2", "run.eval_every=2", "run.checkpoint_every=2", "testbed.eval_problems=8",
                                 "testbed.prompts_per_step=4", *task])
     assert result.steps_done == 2 and len(rows) == 2
     assert all(r["policy/rollout_token_logp_absdiff_max"] < 1e-4 for r in rows)
-    if "testbed.task=file" in task:
-        assert all(r["policy/grad_norm"] > 0 for r in rows)
     assert result.final_eval["n_samples"] == 8
+    step = tmp_path / "run" / "checkpoints" / "step_2"
+    policy, reference = (load_file(str(step / f"{name}.safetensors")) for name in ("policy", "reference"))
+    assert policy and set(policy) == set(reference)
+    unmoved = [k for k in policy if torch.equal(policy[k], reference[k])]
+    if "testbed.task=sudoku" in task:
+        assert all(r["health/zero_std_group_frac"] == 1 for r in rows) and len(unmoved) == len(policy)
+    else:
+        assert all(r["health/zero_std_group_frac"] < 1 for r in rows) and unmoved == []
 
 
 def test_a_causal_lm_by_path_with_its_own_tokenizer_trains_through_the_product_loop(tmp_path):

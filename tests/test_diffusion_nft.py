@@ -16,7 +16,7 @@ from steadyrl.rollout.models import build_class_policy
 from steadyrl.rollout.sampler_factory import build_sampler
 from steadyrl.services.runtime.ray_session import free_port, set_rank_env
 from steadyrl.trainer.context import UpdateContext
-from steadyrl.trainer.objectives import TermInputs, build_objective
+from steadyrl.trainer.objectives import TermInputs, UpdateSchedule, build_objective
 from steadyrl.trainer.objectives.diffusion_nft import (DiffusionNFTCodeSettings, DiffusionNFTPaperSettings,
                                                        old_decay)
 from steadyrl.trainer.terms import ForwardProcessTerms, term_producer
@@ -240,7 +240,7 @@ def test_old_policy_decay_and_ema_follow_their_loop_with_two_optimiser_steps_per
     their_steps, their_decays, their_old = their_old_model(theta0, step_size, epochs, per_update, decay_type=2)
     steps, decays = [], []
     for u in range(epochs):
-        obj.update_index = u  # the learner's update count, as `_optimisation_step` sets it
+        obj.begin_update(UpdateSchedule(index=u))  # the learner's update count, as it starts update u
         for _ in range(per_update):
             with torch.no_grad():
                 for p in policy.parameters():
@@ -269,7 +269,7 @@ def test_a_checkpoint_without_the_step_count_resumes_at_its_updates_times_the_st
     """A checkpoint written before the count was kept: g is taken as updates done x this update's steps."""
     obj = build_objective(DiffusionNFTCodeSettings(decay_rate=0.01))
     obj.load_state_dict({})
-    obj.update_index = 3  # three updates done before this one
+    obj.begin_update(UpdateSchedule(index=3))  # three updates done before this one
     for _ in range(2):
         obj.step_done()
     metrics = obj.after_update(Hooks(flow_setup()[1]), {})

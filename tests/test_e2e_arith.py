@@ -5,11 +5,13 @@ import math
 
 import httpx
 import pytest
+import torch
+from safetensors.torch import load_file
 
 from steadyrl.services.config import CONFIG_DIR, load_config
 from steadyrl.services.driver.controller import train
 from steadyrl.services.run_folder.metrics import read_metrics
-from tests.helpers import train_local
+from tests.helpers import tiny_lm, train_local
 
 
 @pytest.fixture(scope="module")
@@ -77,14 +79,31 @@ def test_the_verifier_app_scores_text_and_token_ids_over_http(ray_cluster, serve
         serve.delete(APP_NAME)  # the session's other tests expect the digits ensemble under this name
 
 
+def parameters_without_gradient(net) -> set[str]:
+    """The parameters a forward and backward of `net` leave without a gradient: the ones no update can move
+    (transformers 5's BertForMaskedLM, untied, keeps a `cls.predictions.bias` that its decoder never reads)."""
+    net(torch.tensor([[1, 2, 3]])).logits.sum().backward()
+    return {name for name, p in net.named_parameters() if p.grad is None}
+
+
 @pytest.mark.parametrize("preset, own_key", [("arith-stabledrl", "stabledrl/norm"),
                                              ("arith-stabledrl-code", "stabledrl/weight_max"),
                                              ("arith-bgpo", "bgpo/bound_mean"),
                                              ("arith-grpo-d1", "policy/clip_frac")])
-def test_every_dllm_preset_takes_two_gradient_steps_with_its_own_finite_metrics(preset, own_key, tmp_path):
+def test_every_dllm_preset_moves_every_weight_the_model_uses_in_two_steps_with_its_own_finite_metrics(
+        preset, own_key, tmp_path):
     """Each preset's objective through its testbed, sampler and DeepSpeed learner (the local runtime: the Ray
-    path is the GRPO run above, and the presets differ from it only in what the learner computes)."""
-    result, rows = train_local(CONFIG_DIR / f"{preset}.yaml", tmp_path / "run", ["run.steps=2", "testbed.eval_problems=20"])
+    path is the GRPO run above, and the presets differ from it only in what the learner computes): two
+    optimiser steps per step (32 prompts x 8 completions / 128), and after two steps the checkpointed policy
+    differs from its reference (the base) in exactly the weights that get a gradient: the objective's gradient
+    reaches every one of them."""
+    result, rows = train_local(CONFIG_DIR / f"{preset}.yaml", tmp_path / "run",
+                               ["run.steps=2", "run.checkpoint_every=2", "testbed.eval_problems=20"])
     assert result.steps_done == 2 and len(rows) == 2
     assert all(own_key in r and math.isfinite(r[own_key]) for r in rows)
-    assert all(r["policy/grad_norm"] > 0 for r in rows)
+    assert all(r["policy/optimizer_steps"] == 2 for r in rows)
+    step = result.run_dir / "checkpoints" / "step_2"
+    policy, reference = (load_file(str(step / f"{name}.safetensors")) for name in ("policy", "reference"))
+    assert set(policy) == set(reference)
+    unmoved = {k for k in policy if torch.equal(policy[k], reference[k])}
+    assert unmoved == parameters_without_gradient(tiny_lm(dtype=torch.float32))

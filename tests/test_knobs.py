@@ -14,7 +14,7 @@ from steadyrl.rollout.models import build_class_policy
 from steadyrl.services.runtime.ray_session import free_port, set_rank_env
 from steadyrl.trainer.balanced_gradient import BalancedGradientConfig, scale_module_gradients
 from steadyrl.trainer.linear_schedule import LinearSchedule, linear_value
-from steadyrl.trainer.objectives import TermInputs, build_objective
+from steadyrl.trainer.objectives import TermInputs, UpdateSchedule, build_objective
 from steadyrl.trainer.objectives.grpo import GRPOSettings
 from steadyrl.trainer.objectives.grpo_guard import GRPOGuardPaperSettings
 from steadyrl.trainer.objectives.reward_backprop import GRPOGuardSeedSettings
@@ -300,7 +300,7 @@ def test_grpo_guard_paper_clips_at_eps_clip_times_the_schedule_of_the_update():
         start=1.0, end=0.1, total_updates=10)))
     losses = set()
     for u, f in [(0, 1.0), (5, 0.55), (10, 0.1), (15, 0.1)]:
-        sched.update_index = u
+        sched.begin_update(UpdateSchedule(index=u))
         assert sched.eps_clip == 1e-3 * (1.0 + (0.1 - 1.0) * u / 10 if u < 10 else 0.1)
         assert sched.eps_clip == pytest.approx(1e-3 * f, rel=1e-12)
         got, m = loss_of(sched)

@@ -8,7 +8,7 @@ from safetensors.torch import load_file
 
 from steadyrl.rollout.arith import TOKENIZER
 from steadyrl.rollout.lora import LoRAConfig, add_lora
-from steadyrl.rollout.masked_lm import lora_targets
+from steadyrl.rollout.masked_lm import MaskedLMConfig, build_masked_lm, lora_targets
 from steadyrl.rollout.policy import LanguageModelPolicy
 from steadyrl.services.config import CONFIG_DIR
 from steadyrl.services.runtime.ray_session import free_port, set_rank_env
@@ -105,13 +105,21 @@ def test_activation_checkpointing_gives_the_same_lora_gradient():
     assert norms[0] > 0 and norms[1] == pytest.approx(norms[0], rel=1e-6)
 
 
-def test_the_arith_loop_takes_lora_gradient_steps_and_checkpoints_only_the_adapters(tmp_path):
-    result, rows = train_local(CONFIG_DIR / "arith-grpo.yaml", tmp_path / "run",
-                               ["testbed.lora.rank=4", "run.steps=2", "run.checkpoint_every=2",
-                                "testbed.eval_problems=20"])
-    assert result.steps_done == 2 and all(r["policy/grad_norm"] > 0 for r in rows)
-    saved = load_file(str(tmp_path / "run" / "checkpoints" / "step_2" / "policy.safetensors"))
-    assert saved and all("lora_" in k for k in saved)  # the checkpoint holds the adapters only
+def test_the_arith_loop_with_lora_moves_every_adapter_off_the_base_and_checkpoints_only_the_adapters(tmp_path):
+    """`steadyrl train` with testbed.lora, two steps: the checkpoint holds exactly the adapters a fresh LoRA policy
+    trains (no base weight); the reference beside it is bitwise those fresh adapters (B = 0: the base model); and
+    every adapter has left its fresh value: the gradient reached each B, and each A once its B was non-zero (A's
+    gradient is zero while B = 0)."""
+    result, _ = train_local(CONFIG_DIR / "arith-grpo.yaml", tmp_path / "run",
+                            ["testbed.lora.rank=4", "run.steps=2", "run.checkpoint_every=2", "testbed.eval_problems=20"])
+    assert result.steps_done == 2
+    step = tmp_path / "run" / "checkpoints" / "step_2"
+    saved, reference = (load_file(str(step / f"{name}.safetensors")) for name in ("policy", "reference"))
+    policy = LanguageModelPolicy(build_masked_lm(MaskedLMConfig(), len(TOKENIZER)))  # the testbed's model
+    fresh = add_lora(policy, LoRAConfig(rank=4), lora_targets(policy.net)).trainable_state_dict()
+    assert fresh and all("lora_" in k for k in fresh) and set(saved) == set(reference) == set(fresh)
+    assert all(torch.equal(reference[k], v) for k, v in fresh.items())  # A from testbed.lora.init_seed, B = 0
+    assert [k for k in saved if torch.equal(saved[k], fresh[k])] == []
 
 
 def test_bf16_without_lora_is_refused_naming_the_settings():

@@ -59,7 +59,7 @@ def test_the_local_runtime_samples_with_the_old_policy_after_a_publish():
     batches, _ = pool.collect(1)
     learner.update(batches)
     pool.publish(1)
-    trainer = learner.rank.learner
+    trainer = learner.learner
     held = trainable_state(pool.rollouts.policy)
     assert equal(held, {k: v for k, v in trainer.objective.old.state.items()})
     assert not equal(held, trainer.weights())

@@ -7,7 +7,7 @@ import torch
 from steadyrl.rollout.batch import RolloutBatch
 from steadyrl.trainer.advantages import group_advantages
 from steadyrl.trainer.kl import gaussian_kl_same_std
-from steadyrl.trainer.objectives import TermInputs, available, build_objective, objective_class
+from steadyrl.trainer.objectives import TermInputs, UpdateSchedule, available, build_objective, objective_class
 from steadyrl.trainer.objectives.grpo import GRPOSettings, ppo_clip_loss
 
 
@@ -49,7 +49,7 @@ def test_grpo_loss_at_ratio_one_is_minus_mean_advantage_and_kl_adds_linearly():
 
 @pytest.mark.parametrize("name", ["grpo", "bgpo.paper"])
 def test_the_kl_schedules_factor_scales_exactly_the_kl_term_of_every_objective(name):
-    """objective.kl_scale (set by the learner's KL schedule) multiplies the KL term and nothing else: the loss at
+    """The KL factor the learner's schedule gives an update (`begin_update`) multiplies the KL term and nothing else: the loss at
     scale s minus the loss at scale 0 is s times the loss at scale 1 minus the loss at scale 0."""
     from steadyrl.trainer.objectives.registry import settings_types
 
@@ -57,7 +57,7 @@ def test_the_kl_schedules_factor_scales_exactly_the_kl_term_of_every_objective(n
     lp = torch.tensor([-1.0, -2.0, -3.0])
 
     def loss(scale: float) -> float:
-        obj.kl_scale = scale
+        obj.begin_update(UpdateSchedule(kl_scale=scale))
         inputs = TermInputs(new_logp=lp, old_logp=lp - 0.01, advantages=torch.tensor([1.0, -0.5, 2.0]),
                             step=torch.zeros(3, dtype=torch.long), std=torch.ones(3), dt=torch.ones(3), n_terms=3,
                             kl_ref=torch.tensor([0.2, 0.4, 0.1]), rows=torch.arange(3))

@@ -22,7 +22,7 @@ from steadyrl.trainer.objectives.registry import objective_class, settings_types
 from steadyrl.trainer.reward_stats import weighting_panel
 
 GROUPS, PER_GROUP = 3, 6
-ADVANTAGE_OBJECTIVES = [n for n in settings_types() if objective_class(n).mode == "policy_gradient"]
+ADVANTAGE_OBJECTIVES = [n for n in settings_types() if objective_class(n).update_path == "policy_gradient"]
 MEAN_CENTRED = ("grpo.d1", "stabledrl.code")  # no std division (their code)
 
 

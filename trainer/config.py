@@ -71,8 +71,9 @@ class LearnerConfig(StrictModel):
         "every trained step each update; 'auto' runs it every logp_check_every updates and, in between, takes the "
         "rollout's own log-probs for samples of the current policy while the last check found them within "
         "logp_trust_tol of the recompute. The rollout samples with the learner's weights and micro-batching, so on "
-        "a Gaussian sampler they are usually the same numbers: the pre-pass was about a fifth of the default update "
-        "(benchmarks/update_limit.py). Lagged or engine samples, and objectives that read the old step means, "
+        "a Gaussian sampler they are usually the same numbers, and a pre-pass recomputing them is a forward of "
+        "every trained step spent on nothing; the periodic check still catches a drift such as a bad weight sync "
+        "(figures: docs/benchmarks.md). Lagged or engine samples, and objectives that read the old step means, "
         "per-token terms or recorded noise, are always recomputed")
     logp_check_every: int = Field(10, ge=1, description="old_logp: auto recomputes and compares every this many "
                                   "updates (and every update after a check that failed): a weight sync gone wrong "

@@ -12,8 +12,8 @@ updates, so a run alternates between exploring and being pulled back to its refe
 reset reference does.
 
 A rising KL weight (e > 1) tightens the policy to its reference as a run matures, where reward hacking starts; a
-falling one (e < 1) lets a run explore late. The learner sets `objective.kl_scale` before each update from
-its update count (kept in its checkpoint) times the controller's `kl_boost` (health.anomaly), and logs the
+falling one (e < 1) lets a run explore late. The learner gives the objective its factor at the start of each update
+(`Objective.begin_update`) from its update count (kept in its checkpoint) times the controller's `kl_boost` (health.anomaly), and logs the
 weight used as `policy/kl_weight`.
 """
 from __future__ import annotations

@@ -50,7 +50,7 @@ from steadyrl.trainer.kl_schedule import kl_factor
 from steadyrl.trainer.linear_schedule import linear_value
 from steadyrl.trainer.lr_schedule import lr_factor
 from steadyrl.trainer.memory_split import PieceSplitter
-from steadyrl.trainer.objectives import Objective
+from steadyrl.trainer.objectives import Objective, UpdateSchedule
 from steadyrl.trainer.off_policy import check_staleness, staleness
 from steadyrl.trainer.recompute import OldPolicy, RolloutLogpTrust, recompute_old
 from steadyrl.trainer.terms import TermProducer, term_producer
@@ -190,9 +190,33 @@ class DeepSpeedLearner:
     # ------------------------------------------------------------------ the update
     def update(self, batch: RolloutBatch, controls: UpdateControls | None = None) -> dict[str, float]:
         """One RL update over the whole batch (`controls`: the controller's factors on lr and KL weight); returns
-        scalar metrics."""
+        scalar metrics. The steps of the module docstring, each a method below."""
         controls = controls or UpdateControls()
         self.last_batch = batch  # kept until the next update: `save_batch` writes it when the controller asks
+        batch, skipped = self._finite_rewards(batch)
+        self._set_schedules(controls)
+        lag = staleness(batch, self.updates)
+        check_staleness(lag, self.cfg.max_staleness)
+        batch, metrics = self._prepare_batch(batch)  # 1. advantages, gates, weights: identically on every rank
+        if self.cfg.max_staleness > 0:
+            metrics["async/staleness_max"] = float(lag.max())
+        micro = self._micro_batches(batch)  # this rank's prompt groups, shuffled, split
+        t0 = time.perf_counter()
+        olds, recompute_metrics = self._recompute_old(micro)  # 2. the no-grad pre-pass
+        metrics.update(recompute_metrics)
+        metrics["timing_s/old_policy"] = time.perf_counter() - t0
+        sums, grad_norms, optimiser_steps = self._optimise(micro, olds)  # 3. inner epochs of optimisation steps
+        self.updates += 1
+        metrics.update(sums.result())
+        metrics.update(self.splitter.metrics())  # memory/splits, memory/piece_size_min (trainer/memory_split.py)
+        metrics = reduce_metrics(metrics)  # every rank's objective state then moves alike
+        self.logp_trust.observe(metrics)
+        metrics.update(self.objective.after_update(self, metrics))  # 4. reference reset / EMA
+        metrics.update(self._update_panel(batch, grad_norms, optimiser_steps, skipped, controls))
+        return metrics
+
+    def _finite_rewards(self, batch: RolloutBatch) -> tuple[RolloutBatch, int]:
+        """The batch without its samples of non-finite reward (skipped and counted, never trained on)."""
         finite = batch.train_reward().isfinite()
         skipped = int((~finite).sum())
         if skipped:
@@ -200,10 +224,12 @@ class DeepSpeedLearner:
             batch = batch.index(torch.nonzero(finite).flatten())
         if len(batch) == 0:
             raise ValueError("no sample in the batch has a finite reward")
-        self._set_schedules(controls)
-        lag = staleness(batch, self.updates)
-        check_staleness(lag, self.cfg.max_staleness)
-        batch, metrics = self.objective.prepare_batch(batch)  # on the whole batch, identically on every rank
+        return batch, skipped
+
+    def _prepare_batch(self, batch: RolloutBatch) -> tuple[RolloutBatch, dict[str, float]]:
+        """`objective.prepare_batch` on the whole batch, samples of non-finite advantage dropped, the reward and
+        advantage panels, and the balanced advantage clip where it is on."""
+        batch, metrics = self.objective.prepare_batch(batch)
         batch, nonfinite_adv = drop_nonfinite_advantages(batch)
         if nonfinite_adv:
             log.warning("dropping %d samples with non-finite advantages", nonfinite_adv)
@@ -212,20 +238,22 @@ class DeepSpeedLearner:
         metrics.update({**reward_panel(batch), **weighting_panel(batch), **advantage_panel(batch.advantages),
                         "health/zero_std_group_frac": zero_std_group_fraction(batch.train_reward(), batch.group),
                         "health/nonfinite_adv_dropped": float(nonfinite_adv)})
-        if self.cfg.max_staleness > 0:
-            metrics["async/staleness_max"] = float(lag.max())
         if self.advantage_clipper is not None and batch.advantages is not None:
             batch = batch.replace(advantages=self.advantage_clipper(batch.advantages))
             metrics["balanced/adv_clip_q"] = float(self.advantage_clipper.last_q)
-        shares = group_shares(batch, self.world_size)  # then each rank trains on its own prompt groups
+        return batch, metrics
+
+    def _micro_batches(self, batch: RolloutBatch) -> list[RolloutBatch]:
+        """This rank's prompt groups (`group_shares`), in a fixed shuffle, split into micro-batches on its device."""
+        shares = group_shares(batch, self.world_size)
         mine = batch.index(shares[self.rank])
         perm = torch.randperm(len(mine), generator=self.generator)
         count = micro_batch_count([len(s) for s in shares], self.cfg.micro_batch_size)
-        micro = [mb.to(device=self.device) for mb in split_into(mine.index(perm), count, self.cfg.micro_batch_size)]
-        t0 = time.perf_counter()
-        olds, recompute_metrics = self._recompute_old(micro)
-        metrics.update(recompute_metrics)
-        metrics["timing_s/old_policy"] = time.perf_counter() - t0
+        return [mb.to(device=self.device) for mb in split_into(mine.index(perm), count, self.cfg.micro_batch_size)]
+
+    def _optimise(self, micro: list[RolloutBatch], olds: list[OldPolicy]) -> tuple[MetricSums, list[float], int]:
+        """`inner_epochs` passes over optimisation steps of `micro_per_optim_step` micro-batches: the pieces'
+        metric sums, each step's gradient norm, the optimiser steps taken."""
         k = self.cfg.micro_per_optim_step
         groups = [list(range(i, min(i + k, len(micro)))) for i in range(0, len(micro), k)]
         sums = MetricSums()
@@ -240,19 +268,18 @@ class DeepSpeedLearner:
                 norm = self._pre_clip_norm if norm is None else float(norm)
                 if norm is not None and math.isfinite(norm):
                     grad_norms.append(norm)
-        self.updates += 1
-        metrics.update(sums.result())
-        metrics.update(self.splitter.metrics())  # memory/splits, memory/piece_size_min (trainer/memory_split.py)
-        metrics = reduce_metrics(metrics)  # every rank's objective state then moves alike
-        self.logp_trust.observe(metrics)
-        metrics.update(self.objective.after_update(self, metrics))
-        metrics.update({
+        return sums, grad_norms, len(groups) * self.cfg.inner_epochs
+
+    def _update_panel(self, batch: RolloutBatch, grad_norms: list[float], optimiser_steps: int, skipped: int,
+                      controls: UpdateControls) -> dict[str, float]:
+        """The update's own figures: gradient norms and guards, samples, lr and KL weight, bytes to sync."""
+        panel = {
             "policy/grad_norm": sum(grad_norms) / max(1, len(grad_norms)),
             **mean_group_norms(self._group_norms),
             "health/groups_clipped": float(self._groups_clipped),
             "health/nonfinite_grad_steps_skipped": float(self._steps_skipped),
             "policy/adv_abs_mean": float(batch.advantages.abs().mean()) if batch.advantages is not None else 0.0,
-            "policy/optimizer_steps": float(len(groups) * self.cfg.inner_epochs),
+            "policy/optimizer_steps": float(optimiser_steps),
             "reward/nonfinite_skipped": float(skipped),
             "policy/samples": float(len(batch)),  # trained on, over all ranks (counted: none lost or duplicated)
             "policy/lr": float(self.engine.get_lr()[0]),
@@ -260,11 +287,11 @@ class DeepSpeedLearner:
             "policy/lr_scale": controls.lr_scale,
             "health/kl_boost": controls.kl_boost,
             "sync/bytes": float(state_bytes(trainable_state(self.policy))),
-        })
+        }
         if self._module_scales:
-            metrics["balanced/module_scale_max"] = max(self._module_scales.values())
-            metrics["balanced/module_scale_min"] = min(self._module_scales.values())
-        return metrics
+            panel["balanced/module_scale_max"] = max(self._module_scales.values())
+            panel["balanced/module_scale_min"] = min(self._module_scales.values())
+        return panel
 
     def _set_schedules(self, controls: UpdateControls) -> None:
         """This update's learning rate and KL weight from their schedules (trainer/lr_schedule.py,
@@ -272,7 +299,8 @@ class DeepSpeedLearner:
         lr = self.cfg.lr * lr_factor(self.cfg.lr_schedule, self.updates) * controls.lr_scale
         for group in self.engine.optimizer.param_groups:
             group["lr"] = lr
-        self.objective.kl_scale = kl_factor(self.cfg.kl_schedule, self.updates) * controls.kl_boost
+        kl_scale = kl_factor(self.cfg.kl_schedule, self.updates) * controls.kl_boost
+        self.objective.begin_update(UpdateSchedule(self.updates, kl_scale))
 
     def _recompute_old(self, micro: list[RolloutBatch]) -> tuple[list[OldPolicy], dict[str, float]]:
         """The no-grad pre-pass over the update's micro-batches (trainer/recompute.py) and its metrics."""
@@ -282,7 +310,6 @@ class DeepSpeedLearner:
     def _optimisation_step(self, group: list[RolloutBatch], olds: list[OldPolicy], sums: MetricSums) -> None:
         """One optimiser step over `group`'s micro-batches: the update path's terms, the objective's no-grad
         `prepare` where it asks, then one backward per piece (the optimiser steps after the last)."""
-        self.objective.update_index = self.updates  # u of the objective's linear schedules (trainer/linear_schedule.py)
         terms = self.terms(self.context(), group, olds)  # draws the step's randomness
         stats = self._prepare(terms) if self.objective.needs_prepare else {}
         keys = terms.keys()

@@ -217,7 +217,7 @@ def recompute_old(ctx: UpdateContext, micro: list[RolloutBatch], updates: int, c
     `recompute=False` (`RolloutLogpTrust.recompute_due` said no): micro-batches that `trusts_rollout` take the
     rollout's log-probs; `policy/old_logp_recomputed` is the share of micro-batches recomputed."""
     steps, sequence, objective = ctx.train_steps, ctx.sequence_level, ctx.objective
-    if objective.mode == "forward_process":  # DiffusionNFT reads no log-probs: only the KL monitor
+    if objective.update_path == "forward_process":  # DiffusionNFT reads no log-probs: only the KL monitor
         kls = torch.cat([kl_monitor(ctx, mb, None) for mb in micro])
         return [OldPolicy(torch.zeros_like(mb.old_logp)) for mb in micro], {"policy/kl_ref_monitor": float(kls.mean())}
     alarm, weights = RecomputeAlarm(cfg.logp_alarm), BehaviourWeights(cfg.behaviour_weight_cap)

@@ -1,4 +1,4 @@
-"""The learner's three update paths as term producers. A producer is built for one optimisation step (a
+"""The learner's four term producers, one per update path (trainer/update_path.py picks it: `PRODUCERS`). A producer is built for one optimisation step (a
 group of micro-batches and their recomputed old policies); building it draws the step's randomness from the
 learner's generator. It then gives the objective the step's terms as `TermInputs`: `prepare_terms()`, every
 piece without gradient (for `Objective.prepare`), and, iterated, the `count` pieces to back-propagate one by
@@ -28,12 +28,12 @@ import torch
 from torch import Tensor
 
 from steadyrl.rollout.batch import RolloutBatch
-from steadyrl.rollout.flow_sde import FlowSDESampler
-from steadyrl.rollout.sampler import GaussianStepSampler, LogProb, Sampler, StepLogProb
+from steadyrl.rollout.sampler import LogProb, Sampler, StepLogProb
 from steadyrl.trainer.context import DifferentiableReward, UpdateContext
 from steadyrl.trainer.distributed import step_extent
-from steadyrl.trainer.objectives import Objective, RewardBackpropObjective, TermInputs
+from steadyrl.trainer.objectives import Objective, TermInputs
 from steadyrl.trainer.recompute import OldPolicy
+from steadyrl.trainer.update_path import Producer, update_path
 
 
 class TermProducer(ABC):
@@ -267,38 +267,16 @@ def entropy_request(ctx: UpdateContext, grad: bool) -> dict[str, bool]:
     return {"entropy": True} if grad and ctx.objective.cfg.entropy_coef > 0 else {}
 
 
+PRODUCERS: dict[Producer, type[TermProducer]] = {
+    "per_step": PerStepTerms, "sequence": SequenceTerms, "reward_backprop": RewardBackpropTerms,
+    "forward_process": ForwardProcessTerms}
+
+
 def term_producer(objective: Objective, sampler: Sampler, reward_fn: DifferentiableReward | None) -> type[TermProducer]:
-    """The update path `objective` takes on `sampler`; refuses combinations that cannot run."""
-    name = objective.cfg.name
-    if objective.cfg.entropy_coef > 0 and not sampler.sequence_level:
-        raise ValueError(f"objective.entropy_coef={objective.cfg.entropy_coef}: the entropy bonus is over a language "
-                         f"model's token distribution; sampler.kind={sampler.cfg.kind!r} samples images")
-    if objective.mode == "forward_process":
-        if not isinstance(sampler, FlowSDESampler):
-            raise ValueError(f"objective.name={name!r} trains a velocity (rectified-flow) model on its clean samples "
-                             f"re-noised: it needs sampler.kind='flow_sde', not sampler.kind={sampler.cfg.kind!r}")
-        return ForwardProcessTerms
-    if isinstance(objective, RewardBackpropObjective):
-        if reward_fn is None:
-            raise ValueError(f"objective {name!r} back-propagates a reward: the learner needs a differentiable "
-                             "reward_fn")
-        k = objective.cfg.backprop_steps
-        if not 1 <= k <= len(sampler.timesteps):
-            raise ValueError(f"objective.backprop_steps={k} must be in [1, {len(sampler.timesteps)}]")
-        if sampler.sequence_level or not isinstance(sampler, GaussianStepSampler):
-            raise ValueError(f"objective {name!r} re-runs Gaussian sampling steps: it does not apply to "
-                             f"sampler.kind={sampler.cfg.kind!r}")
-        return RewardBackpropTerms
-    if objective.token_level and not (sampler.sequence_level and objective.ratio_scope == "term"):
-        raise ValueError(f"objective {name!r} takes per-token ratios of a masked-diffusion LM: it does not apply to "
-                         f"sampler.kind={sampler.cfg.kind!r}")
-    if objective.token_level and sampler.independent_masks and sampler.cfg.estimator != "one_step":
-        raise ValueError(f"objective {name!r} compares each token's old and new log-probs, so both must mask the same "
-                         "completion positions: sampler.masks=shared, or sampler.estimator=one_step (every position "
-                         "masked; independent masks then redraw only the prompt's)")
-    if sampler.sequence_level:
-        if objective.needs_old_mean:
-            raise ValueError(f"objective {name!r} needs Gaussian step means: it does not apply to "
-                             f"sampler.kind={sampler.cfg.kind!r}")
-        return SequenceTerms if objective.ratio_scope == "sequence" else PerStepTerms
-    return PerStepTerms
+    """The term producer of the update path `objective` takes on `sampler` (trainer/update_path.py, the check the
+    config ran before anything started); reward back-propagation needs the learner's differentiable reward."""
+    path = update_path(type(objective), objective.cfg, sampler.cfg)
+    if path == "reward_backprop" and reward_fn is None:
+        raise ValueError(f"objective {objective.cfg.name!r} back-propagates a reward: the learner needs a "
+                         "differentiable reward_fn")
+    return PRODUCERS[path]

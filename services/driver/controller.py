@@ -34,6 +34,7 @@ from steadyrl.services.run_folder.figures import save_curves
 from steadyrl.services.run_folder.metrics import MetricsWriter, read_metrics
 from steadyrl.services.runtime.driver_bytes import DRIVER_FETCHES
 from steadyrl.services.runtime.failures import ComponentFailed
+from steadyrl.services.runtime.seams import LearnerHandle, RolloutPoolHandle, Runtime
 from steadyrl.services.runtime.signals import stop_status
 from steadyrl.services.testbeds import build_testbed
 from steadyrl.trainer.collapse import Collapse
@@ -91,7 +92,7 @@ def check_can_start(cfg: TrainConfig) -> None:
         require_ray("run.runtime=ray")
 
 
-def build_runtime(cfg: TrainConfig, testbed, run_dir: Path, console: Console):
+def build_runtime(cfg: TrainConfig, testbed, run_dir: Path, console: Console) -> Runtime:
     """The runtime `run.runtime` names: "ray" (actors, Serve, DeepSpeed ranks) or "local" (one process)."""
     if cfg.run.runtime == "local":
         from steadyrl.services.runtime.local_runtime import LocalRuntime
@@ -102,6 +103,14 @@ def build_runtime(cfg: TrainConfig, testbed, run_dir: Path, console: Console):
     return RayRuntime(cfg, testbed, run_dir, console)
 
 
+class RollBack(Exception):
+    """The health watch flagged a collapse and a checkpoint before it exists: `run` restores it and fits again."""
+
+    def __init__(self, checkpoint: Path, collapse: Collapse, metrics: dict[str, float]):
+        super().__init__(f"roll back to {checkpoint}")
+        self.checkpoint, self.collapse, self.metrics = checkpoint, collapse, metrics
+
+
 class Controller:
     def __init__(self, cfg: TrainConfig, run_dir: Path, console: Console | None = None, resume: bool = False):
         self.cfg = cfg
@@ -109,72 +118,47 @@ class Controller:
         self.run_dir = Path(run_dir)
         self.console = console or Console()
         self.resume = resume
-        self.runtime = build_runtime(cfg, self.testbed, self.run_dir, self.console)
+        self.runtime: Runtime = build_runtime(cfg, self.testbed, self.run_dir, self.console)
+        self.pool: RolloutPoolHandle | None = None  # the runtime's, once `run` has started it
+        self.learner: LearnerHandle | None = None
         self.evals: list[dict[str, Any]] = []
         self.version = 0  # learner updates behind the weights last published (= steps done)
+        self.steps_done = 0
+        self.timing_sums: dict[str, float] = {}
         self.health = RunHealth(cfg.health, self.run_dir, cfg.learner.max_staleness)
 
     # ---------------------------------------------------------------- the loop
     def run(self) -> RunResult:
+        """Start the runtime, evaluate the base (or restore the last checkpoint), `fit` to run.steps (again from a
+        healthy checkpoint after each rollback), then shut down and summarise."""
         cfg = self.cfg
         interrupted, exit_status = False, 0
-        start = steps_done = 0
+        start = 0
         writer: MetricsWriter | None = None
-        timing_sums: dict[str, float] = {}
         try:
-            self.setup()
+            self.pool, self.learner = self.start()
             writer = MetricsWriter(self.run_dir, cfg.run.loggers, cfg.model_dump(mode="json"), self.resume)
-            start = steps_done = self.restore() if self.resume else 0
+            start = self.steps_done = self.restore() if self.resume else 0
             if not self.resume:
                 self.evaluate(0)
                 if cfg.health.rollback.enabled:
                     self.checkpoint(0)  # a collapse in the first updates has somewhere to go back to
-            next_launch = max([start, *[s + 1 for s in self.pool.in_flight()]])  # a resume relaunched some
             with self.progress_bar(start) as bar:
                 step = start
-                while step < cfg.run.steps:
-                    watch = Stopwatch()
-                    DRIVER_FETCHES.take()  # what the driver fetched since (evaluations, checkpoints) is not the step's
-                    with watch.phase("step"):
-                        self.pool.begin_step()
-                        # pipelining (learner.max_staleness = s): rollouts of steps up to step + s start now with
-                        # the current weights and run while the learner trains; s = 0 is the synchronous loop
-                        while next_launch < cfg.run.steps and next_launch <= step + cfg.learner.max_staleness:
-                            self.pool.launch(next_launch)
-                            next_launch += 1
-                        with watch.phase("collect"):
-                            batches, summaries = self.pool.collect(step)
-                        metrics = self.learner.update(batches, self.health.controls(step))
-                        self.version += 1
-                        with watch.phase("sync"):
-                            self.pool.publish(self.version)
-                    steps_done = step + 1
-                    metrics = self.step_metrics(metrics, summaries, watch.seconds)
-                    collapse = self.health.watch(steps_done, metrics, self.learner)
-                    writer.write(steps_done, metrics)
-                    for k, v in metrics.items():
-                        if k.startswith("timing_s/"):
-                            timing_sums[k] = timing_sums.get(k, 0.0) + v
-                    bar(steps_done, metrics)
-                    target = None if collapse is None else self.healthy_checkpoint(collapse)
-                    if target is not None:
-                        step = steps_done = self.roll_back(target, collapse)
-                        next_launch = step
-                        bar(steps_done, metrics)
-                        continue
-                    last = steps_done == cfg.run.steps
-                    if steps_done % cfg.run.eval_every == 0 or last:
-                        self.evaluate(steps_done)
-                    if self.checkpoint_due(steps_done) or last:
-                        self.checkpoint(steps_done)
-                    step += 1
+                while True:
+                    try:
+                        self.fit(step, writer, bar)
+                        break
+                    except RollBack as back:
+                        step = self.steps_done = self.roll_back(back.checkpoint, back.collapse)
+                        bar(self.steps_done, back.metrics)
         except ComponentFailed as err:
-            raise RunFailed(f"{err.during(steps_done + 1)}; nothing after step {steps_done} was kept"
+            raise RunFailed(f"{err.during(self.steps_done + 1)}; nothing after step {self.steps_done} was kept"
                             + resume_hint(self.run_dir)) from None
         except KeyboardInterrupt as err:  # Ctrl-C, or SIGTERM (`signals.Terminated`)
             interrupted, exit_status = True, stop_status(err)
             ckpt = latest_checkpoint(self.run_dir)
-            self.console.print(f"[yellow]interrupted after step {steps_done}; last checkpoint: "
+            self.console.print(f"[yellow]interrupted after step {self.steps_done}; last checkpoint: "
                                f"{ckpt if ckpt else 'none'} (resume with `steadyrl train --resume {self.run_dir}`)",
                                soft_wrap=True)
         finally:
@@ -182,16 +166,66 @@ class Controller:
                 writer.close()
             self.runtime.shutdown()
         save_curves(read_metrics(self.run_dir), self.evals, self.run_dir / "curves.png")
-        n = max(1, steps_done - start)
-        result = RunResult(self.run_dir, steps_done, self.evals[0] if self.evals and self.evals[0]["step"] == 0 else None,
+        n = max(1, self.steps_done - start)
+        result = RunResult(self.run_dir, self.steps_done,
+                           self.evals[0] if self.evals and self.evals[0]["step"] == 0 else None,
                            self.evals[-1] if self.evals else None, interrupted, exit_status,
-                           {k: v / n for k, v in timing_sums.items()})
+                           {k: v / n for k, v in self.timing_sums.items()})
         if cfg.run.progress:
             self.console.print(summary_table(result, self.testbed.labels, self.testbed.headline))
         return result
 
+    def fit(self, start: int, writer: MetricsWriter, bar: Callable[[int, dict[str, float]], None]) -> None:
+        """Steps start+1 .. run.steps: train, log, watch the run's health, evaluate and checkpoint when due. A
+        collapse with a healthy checkpoint to go back to raises `RollBack`."""
+        cfg = self.cfg
+        for step in range(start, cfg.run.steps):
+            metrics = self.train_step(step)
+            self.steps_done = done = step + 1
+            collapse = self.health.watch(done, metrics, self.learner)
+            writer.write(done, metrics)
+            for k, v in metrics.items():
+                if k.startswith("timing_s/"):
+                    self.timing_sums[k] = self.timing_sums.get(k, 0.0) + v
+            bar(done, metrics)
+            target = None if collapse is None else self.healthy_checkpoint(collapse)
+            if target is not None:
+                raise RollBack(target, collapse, metrics)
+            last = done == cfg.run.steps
+            if done % cfg.run.eval_every == 0 or last:
+                self.evaluate(done)
+            if self.checkpoint_due(done) or last:
+                self.checkpoint(done)
+
+    def train_step(self, step: int) -> dict[str, float]:
+        """launch (up to learner.max_staleness steps ahead) -> collect `step`'s rollouts -> update the learner ->
+        publish its weights to the pool; the step's metrics."""
+        watch = Stopwatch()
+        DRIVER_FETCHES.take()  # what the driver fetched since (evaluations, checkpoints) is not the step's
+        with watch.phase("step"):
+            self.pool.begin_step()
+            self.launch_ahead(step)
+            with watch.phase("collect"):
+                batches, summaries = self.pool.collect(step)
+            metrics = self.learner.update(batches, self.health.controls(step))
+            self.version += 1
+            with watch.phase("sync"):
+                self.pool.publish(self.version)
+        return self.step_metrics(metrics, summaries, watch.seconds)
+
+    def launch_ahead(self, step: int) -> None:
+        """Pipelining (learner.max_staleness = s): the rollouts of steps `step` .. `step` + s not yet in flight start
+        now with the current weights and run while the learner trains; s = 0 is the synchronous loop. A resumed or
+        rolled-back run's relaunched rollouts keep the weights they were recorded with."""
+        in_flight = self.pool.in_flight()
+        for ahead in range(step, min(self.cfg.run.steps, step + self.cfg.learner.max_staleness + 1)):
+            if ahead not in in_flight:
+                self.pool.launch(ahead)
+
     # ---------------------------------------------------------------- its pieces
-    def setup(self) -> None:
+    def start(self) -> tuple[RolloutPoolHandle, LearnerHandle]:
+        """The run folder and its config, the testbed's checks, its base model and reward models (built or from the
+        cache), then the runtime's pool and learner."""
         cfg = self.cfg
         self.run_dir.mkdir(parents=True, exist_ok=True)
         if not self.resume:
@@ -200,7 +234,7 @@ class Controller:
         base_model = self.testbed.base_weights(progress=cfg.run.progress)
         with self.console.status("reward models (built and cached on first use)"):
             self.testbed.prepare_rewards(self.console if cfg.run.progress else None)
-        self.pool, self.learner = self.runtime.start(base_model)
+        return self.runtime.start(base_model)
 
     def step_metrics(self, metrics: dict[str, float], summaries: list[dict[str, float]],
                      seconds: dict[str, float]) -> dict[str, float]:

@@ -14,7 +14,7 @@ def build_learner(cfg: TrainConfig, policy: nn.Module, sampler=None):
     from steadyrl.trainer.builders import build_deepspeed_learner
     from steadyrl.trainer.objectives import objective_class
 
-    backprop = objective_class(cfg.objective.name).mode == "reward_backprop"
+    backprop = objective_class(cfg.objective.name).update_path == "reward_backprop"
     sampler = sampler if sampler is not None else build_testbed(cfg).build_sampler()
     # the objective, the prepared policy, its reference and the optimiser are built in trainer/builders.py
     return build_deepspeed_learner(policy, sampler, cfg.objective, cfg.learner, seed=cfg.run.seed,

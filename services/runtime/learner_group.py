@@ -15,24 +15,27 @@ import ray
 import torch
 from ray.util.placement_group import remove_placement_group
 
+from steadyrl.rollout.batch import RolloutBatch
 from steadyrl.rollout.weight_broadcast import WeightBroadcastGroup
 from steadyrl.services.config import TrainConfig
 from steadyrl.services.runtime.actors import actor_info, setup_process
-from steadyrl.services.runtime.learner_rank import LearnerRank
+from steadyrl.services.runtime.learner_rank import build_rank, update_on
 from steadyrl.services.runtime.placement import place_actors
 from steadyrl.services.runtime.rank_env import actor_device
 from steadyrl.services.runtime.ray_session import free_port
 from steadyrl.services.runtime.remote import get_all, wait_all
 from steadyrl.trainer.controls import UpdateControls
+from steadyrl.trainer.learner import DeepSpeedLearner
 
 
 @ray.remote
-class LearnerActor(LearnerRank):
-    """One DeepSpeed rank as a Ray actor. Constructed light; `init_engine` joins the process group (all ranks at
-    once)."""
+class LearnerActor:
+    """One DeepSpeed rank as a Ray actor around its `DeepSpeedLearner`. Constructed light; `init_engine` joins
+    the process group (all ranks at once) and builds it."""
 
     def __init__(self, cfg: dict[str, Any], run_dir: str, rank: int = 0, world_size: int = 1):
-        super().__init__(TrainConfig.model_validate(cfg), rank, world_size)
+        self.cfg, self.rank, self.world_size = TrainConfig.model_validate(cfg), rank, world_size
+        self.learner: DeepSpeedLearner | None = None
         setup_process(self.cfg, Path(run_dir) / "logs" / f"learner_{rank}.log")
         if actor_device(self.cfg.ray.learner_gpus).type == "cuda":  # fails clearly when torch sees no GPU
             os.environ["DS_ACCELERATOR"] = "cuda"  # before DeepSpeed first picks its accelerator
@@ -43,9 +46,30 @@ class LearnerActor(LearnerRank):
         return ray.util.get_node_ip_address(), free_port("")
 
     def init_engine(self, base_weights: dict[str, torch.Tensor], rendezvous: tuple[str, int]) -> dict[str, Any]:
-        """`build` at rank 0's (address, port); returns where this rank runs (for actors.json)."""
-        self.build(base_weights, *rendezvous)
+        """Build the rank's learner at rank 0's (address, port); returns where this rank runs (for actors.json)."""
+        self.learner = build_rank(self.cfg, base_weights, self.rank, self.world_size, *rendezvous)
         return actor_info("learner", self.rank)
+
+    def update(self, *batches: RolloutBatch, controls: UpdateControls | None = None) -> dict[str, float]:
+        """One update on the workers' batches (resolved from their ObjectRefs by Ray); its metrics."""
+        return update_on(self.learner, batches, controls)
+
+    def weights(self) -> dict[str, torch.Tensor]:
+        """The trained tensors (`DeepSpeedLearner.weights`)."""
+        return self.learner.weights()
+
+    def sampling_weights(self) -> dict[str, torch.Tensor]:
+        """What the rollout workers sample with (`DeepSpeedLearner.sampling_weights`)."""
+        return self.learner.sampling_weights()
+
+    def save(self, directory: str) -> None:
+        self.learner.save(Path(directory))
+
+    def load(self, directory: str) -> None:
+        self.learner.load(Path(directory))
+
+    def save_batch(self, directory: str) -> None:
+        self.learner.save_batch(Path(directory))
 
     def join_weight_group(self, master_addr: str, master_port: int, size: int, backend: str) -> None:
         """Rank 0: become member 0 (the source) of the broadcast group to the rollout workers."""

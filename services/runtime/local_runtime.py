@@ -1,8 +1,8 @@
 """The local runtime: the services' interfaces in one process, without Ray or Serve (`steadyrl train --local`).
 
 The controller runs the same loop over these as over the Ray runtime: `LocalRolloutPool` runs every worker's
-share with `services.runtime.rollouts.Rollouts` (the code the Ray workers run), `LocalLearner` is one `LearnerRank`
-(the DeepSpeed rank the Ray learner actors run), each on cuda where its `ray.*_gpus` asks for a GPU and torch
+share with `services.runtime.rollouts.Rollouts` (the code the Ray workers run), `LocalLearner` holds one
+`DeepSpeedLearner` built as each Ray learner actor builds its own (`learner_rank.build_rank`), each on cuda where its `ray.*_gpus` asks for a GPU and torch
 sees one, and rewards come from the testbed's in-process ensemble, built by the same factory as the Serve
 deployments and scored on one thread as the Serve replicas score. With the same `ray.torch_threads`, a run
 gives the same metrics bitwise on either runtime. For debugging (breakpoints, profilers in one process), many-seed
@@ -25,12 +25,13 @@ from steadyrl.rollout.numerics import using_threads
 from steadyrl.rollout.policy import trainable_state
 from steadyrl.services.config import TrainConfig
 from steadyrl.services.run_folder.checkpoints import rollout_weights_file
-from steadyrl.services.runtime.learner_rank import LearnerRank
+from steadyrl.services.runtime.learner_rank import build_rank, update_on
 from steadyrl.services.runtime.malloc import keep_freed_memory
 from steadyrl.services.runtime.rank_env import free_port, local_device, torch_threads
 from steadyrl.services.runtime.rollouts import Rollouts
 from steadyrl.services.testbeds.base import Testbed
 from steadyrl.trainer.controls import UpdateControls
+from steadyrl.trainer.learner import DeepSpeedLearner
 
 
 def local_info(role: str, index: int) -> dict[str, Any]:
@@ -53,34 +54,34 @@ class LocalLearner:
     """One learner rank in this process (`learner.ranks` must be 1 here)."""
 
     def __init__(self, cfg: TrainConfig, base_weights: dict[str, Tensor]):
-        self.rank = LearnerRank(cfg)
-        self.base_weights = base_weights
+        self.cfg, self.base_weights = cfg, base_weights
+        self.learner: DeepSpeedLearner | None = None
 
     def start(self) -> None:
         """Build the engine; the first run in a process creates its one-rank gloo group, later runs reuse it
         (DeepSpeed keeps the group it was given for the process's life)."""
-        self.rank.build(self.base_weights, "127.0.0.1", free_port())
+        self.learner = build_rank(self.cfg, self.base_weights, 0, 1, "127.0.0.1", free_port())
 
     def infos(self) -> list[dict[str, Any]]:
         return [local_info("learner", 0)]
 
     def update(self, batches: list[Any], controls: UpdateControls | None = None) -> dict[str, float]:
-        return self.rank.update(*batches, controls=controls)
+        return update_on(self.learner, batches, controls)
 
     def sampling_weights(self) -> dict[str, Tensor]:
-        return self.rank.sampling_weights()
+        return self.learner.sampling_weights()
 
     def save(self, directory: str) -> None:
-        self.rank.save(directory)
+        self.learner.save(Path(directory))
 
     def load(self, directory: str) -> None:
-        self.rank.load(directory)
+        self.learner.load(Path(directory))
 
     def save_batch(self, directory: str) -> None:
-        self.rank.save_batch(directory)
+        self.learner.save_batch(Path(directory))
 
     def shutdown(self) -> None:
-        self.rank.learner = None  # the engine and its optimiser state go with the run
+        self.learner = None  # the engine and its optimiser state go with the run
 
 
 class LocalRolloutPool:

@@ -17,19 +17,15 @@ from ray import serve
 from ray.serve.handle import DeploymentHandle
 
 from steadyrl.reward.base import check_scores
-from steadyrl.reward.config import FEATURE_KINDS
 from steadyrl.reward.ensemble import EnsembleScores, combine_scores
 from steadyrl.reward.factory import build_reward_model, parse_reward_spec
 from steadyrl.reward.verifiers import VerifierReward
 from steadyrl.reward.weighting import RewardWeighting
-from steadyrl.rollout.digits import IMAGE_SHAPE
 from steadyrl.services.serving.errors import HEALTH_TIMEOUT_S, ModelsNotAnswering
 from steadyrl.services.serving.guard import RestSettings
 from steadyrl.services.serving.rest import build_rest_api
 from steadyrl.services.serving.schemas import SCORE_ROUTE, HealthResponse, ModelInfo, ModelsResponse, ScoreResponse
 from steadyrl.services.testbeds.rest import Batch, RestProfile
-
-HEALTH_PROMPT = "health check"
 
 
 async def _result(response: Any) -> Any:
@@ -98,13 +94,12 @@ class RewardModelDeployment:
         return {"name": self.name, "kind": self.kind, "test_accuracy": getattr(self.model, "accuracy", None)}
 
     def check_health(self) -> None:
-        """Serve calls this periodically; a broken model raises and the replica is replaced."""
-        if isinstance(self.model, VerifierReward):
-            return  # a pure function of text: nothing to go stale
-        if self.kind in FEATURE_KINDS:  # image-text (CLIP) models: one grey RGB image and a prompt
-            out = self.model.score(torch.zeros(1, 3, 32, 32), [HEALTH_PROMPT])
-        else:  # digits classifiers, JPEG
-            out = self.model.score(torch.zeros(1, *IMAGE_SHAPE), torch.zeros(1, dtype=torch.long))
+        """Serve calls this periodically; a broken model raises and the replica is replaced. The model names its
+        own probe input (`RewardModel.health_probe`; None: nothing to probe)."""
+        probe = self.model.health_probe()
+        if probe is None:
+            return
+        out = self.model.score(*probe)
         if not bool(torch.isfinite(out).all()):
             raise RuntimeError(f"reward model {self.name} returns non-finite scores")
 

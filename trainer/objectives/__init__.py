@@ -1,6 +1,7 @@
 """Objectives, registered by name (`grpo`, `stabledrl.paper`, `grpo_guard.paper`, `gardo.paper`, `bgpo.paper`, ...)."""
-from steadyrl.trainer.objectives.base import (LearnerHooks, Objective, ObjectiveSettings, PolicyGradientObjective,
-                                              RewardBackpropObjective, TermInputs)
+from steadyrl.trainer.objectives.base import (KLSettings, LearnerHooks, Objective, ObjectiveSettings,
+                                              PolicyGradientObjective, RewardBackpropObjective, TermInputs,
+                                              UpdateSchedule)
 from steadyrl.trainer.objectives.registry import available, build_objective, objective_class, register, settings_types
 from steadyrl.trainer.objectives import grpo, grpo_d1  # noqa: F401,E402  (registers "grpo", "grpo.d1")
 from steadyrl.trainer.objectives import gardo, gardo_seed  # noqa: F401,E402  (registers "gardo.paper", "gardo.seed")
@@ -9,6 +10,6 @@ from steadyrl.trainer.objectives import stabledrl_code, stabledrl_paper  # noqa:
 from steadyrl.trainer.objectives import bgpo  # noqa: F401,E402  (registers "bgpo.paper")
 from steadyrl.trainer.objectives import diffusion_nft, gardo_nft  # noqa: F401,E402  ("diffusion_nft.*", "gardo.nft")
 
-__all__ = ["LearnerHooks", "Objective", "ObjectiveSettings", "PolicyGradientObjective", "RewardBackpropObjective",
-           "TermInputs", "available", "build_objective", "objective_class", "register",
+__all__ = ["KLSettings", "LearnerHooks", "Objective", "ObjectiveSettings", "PolicyGradientObjective",
+           "RewardBackpropObjective", "TermInputs", "UpdateSchedule", "available", "build_objective", "objective_class", "register",
            "settings_types"]

@@ -2,6 +2,7 @@
 
 One update (an RL step) of the learner, as the objective sees it:
 
+    obj.begin_update(UpdateSchedule(u, kl_scale))  # this update's index u and the KL schedule's factor
     batch, m = obj.prepare_batch(batch)            # once, whole batch: advantages, gates, weights
     for each optimisation step (optim_batch_size samples, several micro-batches):
         stats = obj.prepare(pieces)                # no grad: whole-step normalisers, per-step stats
@@ -56,6 +57,16 @@ class ObjectiveSettings(StrictModel):
     #: the objective can train a language model (a sequence-level sampler); image-only objectives set False
     language_models: ClassVar[bool] = True
 
+    @property
+    def reference_kl_coef(self) -> float:
+        """The weight of the objective's KL term to the frozen reference, before schedules (0: it has none)."""
+        return 0.0
+
+    def zero_partition_refusal(self) -> str | None:
+        """Why these settings need every parameter's whole gradient on one rank (learner.zero_stage=0), naming the
+        setting; None: any ZeRO stage will do."""
+        return None
+
     @model_validator(mode="after")
     def _entropy_needs_a_language_model(self) -> "ObjectiveSettings":
         if self.entropy_coef > 0 and not self.language_models:
@@ -64,7 +75,17 @@ class ObjectiveSettings(StrictModel):
         return self
 
 
-class PolicyGradientSettings(ObjectiveSettings):
+class KLSettings(ObjectiveSettings):
+    """Settings of an objective with a KL term to the frozen reference (`kl_coef`; each redefines its default)."""
+
+    kl_coef: float = Field(0.0, ge=0, description="weight of the KL term to the reference")
+
+    @property
+    def reference_kl_coef(self) -> float:
+        return self.kl_coef
+
+
+class PolicyGradientSettings(KLSettings):
     """Settings of the per-step likelihood-ratio objectives. `eps_std` (advantage normalisation) and
     `eps_clip` (ratio clipping, where an objective clips) are separate on purpose."""
 
@@ -72,6 +93,15 @@ class PolicyGradientSettings(ObjectiveSettings):
     adv_clip: float = Field(5.0, gt=0, description="advantages clipped to [-adv_clip, adv_clip]")
     kl_coef: float = Field(0.0, ge=0, description="weight of the analytic Gaussian KL to the reference")
     timestep_fraction: float = Field(0.5, gt=0, le=1, description="share of trained steps drawn per sample")
+
+
+@dataclass(frozen=True)
+class UpdateSchedule:
+    """What the learner's schedules say of the update under way, given to the objective at its start
+    (`Objective.begin_update`)."""
+
+    index: int = 0  # u, the updates done before this one: the clock of the objective's linear schedules
+    kl_scale: float = 1.0  # the KL schedule's factor on kl_coef, times the controller's boost (trainer/kl_schedule.py)
 
 
 @dataclass
@@ -146,8 +176,9 @@ class Objective(ABC):
     """Base objective: group-relative advantages, no prepare statistics, no reference updates.
 
     Class attributes say what the learner must compute for it:
-      mode:            "policy_gradient" (per-step log-prob ratios), "reward_backprop" (DRaFT-K) or
-                       "forward_process" (DiffusionNFT: velocities at re-noised clean samples)
+      update_path:     "policy_gradient" (log-prob ratios), "reward_backprop" (DRaFT-K) or
+                       "forward_process" (DiffusionNFT: velocities at re-noised clean samples); with the
+                       sampler's settings it picks the learner's term producer (trainer/update_path.py)
       needs_prepare:   run the no-grad `prepare` pass (new log-probs of the step's terms) per optimiser step
       needs_old_mean:  keep the old policy's step means from the recompute pass
       needs_reference: compute KL(pi_theta || pi_ref) at each term
@@ -163,7 +194,7 @@ class Objective(ABC):
 
     name: ClassVar[str]
     Settings: ClassVar[type[ObjectiveSettings]]
-    mode: ClassVar[Literal["policy_gradient", "reward_backprop", "forward_process"]] = "policy_gradient"
+    update_path: ClassVar[Literal["policy_gradient", "reward_backprop", "forward_process"]] = "policy_gradient"
     needs_prepare: ClassVar[bool] = False
     needs_old_mean: ClassVar[bool] = False
     ratio_scope: ClassVar[Literal["sequence", "term"]] = "sequence"
@@ -172,17 +203,20 @@ class Objective(ABC):
     def __init__(self, cfg: ObjectiveSettings):
         self.cfg = cfg
         self.state: dict[str, Tensor] = {}
-        self.kl_scale = 1.0  # the learner's KL schedule sets it before each update (trainer/kl_schedule.py)
-        self.update_index = 0  # the learner sets it before each update: u of the objective's linear schedules
+        self.schedule = UpdateSchedule()  # the update under way (`begin_update`)
+
+    def begin_update(self, schedule: UpdateSchedule) -> None:
+        """The learner starts an update: its index and KL factor hold until the next `begin_update`."""
+        self.schedule = schedule
 
     @property
     def needs_reference(self) -> bool:
-        return float(getattr(self.cfg, "kl_coef", 0.0)) > 0
+        return self.cfg.reference_kl_coef > 0
 
     @property
     def kl_weight(self) -> float:
         """This update's KL weight: the settings' kl_coef times the schedule's factor."""
-        return float(getattr(self.cfg, "kl_coef", 0.0)) * self.kl_scale
+        return self.cfg.reference_kl_coef * self.schedule.kl_scale
 
     def advantages(self, batch: RolloutBatch) -> Tensor:
         """A_i = clip((r_i - mean_g r) / (std_g r + eps_std), -adv_clip, adv_clip) within each prompt group
@@ -206,7 +240,7 @@ class Objective(ABC):
     def piece_loss(self, inputs: TermInputs, stats: dict[str, Tensor]) -> tuple[Tensor, dict[str, Tensor]]:
         """What the learner back-propagates: `loss` minus the entropy bonus (`entropy_bonus`; 0 when off)."""
         loss, metrics = self.loss(inputs, stats)
-        coef = float(getattr(self.cfg, "entropy_coef", 0.0))
+        coef = self.cfg.entropy_coef
         if coef <= 0:
             return loss, metrics
         return loss - entropy_bonus(inputs, coef, metrics), metrics
@@ -266,7 +300,7 @@ class RewardBackpropObjective(Objective):
     proximal (current) policy and its reward gradient is taken as it is.
     """
 
-    mode = "reward_backprop"
+    update_path = "reward_backprop"
 
     @abstractmethod
     def regulate(self, grad: Tensor) -> tuple[Tensor, dict[str, Tensor]]:

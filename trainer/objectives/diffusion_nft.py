@@ -43,14 +43,14 @@ from torch import Tensor, nn
 from steadyrl.rollout.batch import RolloutBatch
 from steadyrl.rollout.policy import AdapterReference
 from steadyrl.trainer.advantages import batch_advantages, centred_rewards, mean_centred_advantages
-from steadyrl.trainer.objectives.base import LearnerHooks, Objective, ObjectiveSettings, TermInputs
+from steadyrl.trainer.objectives.base import KLSettings, LearnerHooks, Objective, TermInputs
 from steadyrl.trainer.objectives.registry import register
 
 OLD = "old."  # prefix of the old policy's tensors in the objective state
 STEPS = "optimiser_steps"  # g, the optimiser steps done (their global_step), in the objective state
 
 
-class DiffusionNFTSettings(ObjectiveSettings):
+class DiffusionNFTSettings(KLSettings):
     """Settings of both DiffusionNFT forms (defaults: the authors' config/base.py and config/nft.py)."""
 
     language_models: ClassVar[bool] = False  # velocities of a rectified-flow image model
@@ -103,7 +103,7 @@ def per_sample_mean(x: Tensor) -> Tensor:
 class DiffusionNFT(Objective):
     """Shared: the old network and its EMA, the advantage, the KL term; subclasses give the normaliser and loss."""
 
-    mode = "forward_process"
+    update_path = "forward_process"
     batch_std: ClassVar[bool]  # the advantage's std over the whole batch (code) or the prompt's (paper)
 
     def __init__(self, cfg: DiffusionNFTSettings):
@@ -158,7 +158,7 @@ class DiffusionNFT(Objective):
         """g after this update: the steps before it plus this update's. A checkpoint from before the count was kept
         (no `optimiser_steps` in its state) is taken to have run this update's number of steps per update."""
         before = self.state.get(STEPS)
-        done = self.update_index * self.steps_this_update if before is None else int(before)
+        done = self.schedule.index * self.steps_this_update if before is None else int(before)
         return done + self.steps_this_update
 
     @torch.no_grad()

@@ -89,8 +89,9 @@ class GRPOGuardPaperSettings(PolicyGradientSettings):
     eps_clip: float = Field(
         3e-5, gt=0, lt=1,
         description="PPO clip range of the NORMALISED ratio exp((log rho + b) s) (authors: 2e-6..4e-6 on SD3). "
-        "On the digits testbed one optimiser step moves |log rho~| by ~3e-4..1.5e-3 (median); 3e-5 clips as "
-        "large a share of terms as the GRPO preset's 1e-4 on raw ratios (see the module docstring)")
+        "The normalised ratio's size is set by how far one optimiser step moves the step means, so the default is "
+        "the value that clips as large a share of terms on the digits testbed as the GRPO preset's 1e-4 does on "
+        "raw ratios: the same trust region (figures: the module docstring)")
     bias: Literal["batch", "sample"] = Field(
         "batch", description="RatioNorm bias: 'batch' = one scalar per step (mean over the samples of the piece "
         "that share the step and over the latent), as the authors' code; 'sample' = per sample")
@@ -127,7 +128,7 @@ class GRPOGuardPaper(PolicyGradientObjective):
     @property
     def eps_clip(self) -> float:
         """This update's clip range: eps_clip x f(u) (`eps_clip_scale`, u = the learner's update count)."""
-        return self.cfg.eps_clip * linear_value(self.cfg.eps_clip_scale, self.update_index, "objective.eps_clip_scale")
+        return self.cfg.eps_clip * linear_value(self.cfg.eps_clip_scale, self.schedule.index, "objective.eps_clip_scale")
 
     def loss(self, inputs: TermInputs, stats: dict[str, Tensor]) -> tuple[Tensor, dict[str, Tensor]]:
         if inputs.new_mean is None or inputs.old_mean is None:

@@ -151,6 +151,12 @@ class GRPOGuardSeedSettings(RewardBackpropSettings):
                                  "block's EMA threshold")
         return self
 
+    def zero_partition_refusal(self) -> str | None:
+        if self.block_thresholds:
+            return ("objective.block_thresholds needs learner.zero_stage=0 (ZeRO 1-3 partition the gradients: a "
+                    "block's gradient matrices are not on one rank's parameters)")
+        return None
+
 
 BLOCK_MODULES = {"down": "down_blocks", "mid": "mid_block", "up": "up_blocks"}  # diffusers' UNet module names
 
@@ -189,7 +195,7 @@ class GRPOGuardSeed(RewardBackprop):
 
     def _threshold_scale(self) -> float:
         """c(u) of this update (`threshold_scale`)."""
-        return linear_value(self.cfg.threshold_scale, self.update_index, "objective.threshold_scale")
+        return linear_value(self.cfg.threshold_scale, self.schedule.index, "objective.threshold_scale")
 
     def _monitored(self, key: str) -> bool:
         """Does this optimisation step compute the singular values of `key` (else: reuse its last scale)?"""

@@ -42,14 +42,14 @@ from pydantic import Field
 from torch import Tensor
 
 from steadyrl.rollout.batch import RolloutBatch
-from steadyrl.trainer.objectives.base import (ObjectiveSettings, PolicyGradientObjective, TermInputs,
+from steadyrl.trainer.objectives.base import (KLSettings, PolicyGradientObjective, TermInputs,
                                      kl_penalty, ratio_metrics)
 from steadyrl.trainer.advantages import batch_advantages
 from steadyrl.trainer.objectives.registry import register
 from steadyrl.trainer.objectives.sandwich import eubo_piece, eubo_statistics, sandwich
 
 
-class StableDRLCodeSettings(ObjectiveSettings):
+class StableDRLCodeSettings(KLSettings):
     name: Literal["stabledrl.code"] = "stabledrl.code"
     log_ratio_cap: float = Field(
         math.log(5.0), description="the per-sample log-ratio is capped above (only) at this before the softmax; "

@@ -44,11 +44,11 @@ class TextToImageSettings(TestbedSettings):
         "FLUX 512). Shorter saves the embeddings' memory in every batch")
     dtype: Literal["float32", "bfloat16", "float16"] = Field(
         "float32", description="weights of the denoiser, text encoders and VAE; bf16 halves memory on GPU (the "
-        "sampler's Gaussian stays float32: see README for the recompute tolerance it implies)")
+        "sampler's Gaussian stays float32: docs/testbeds.md, text_to_image, says what recompute gap that implies)")
     autocast: Literal["off", "bfloat16", "float16"] = Field(
         "off", description="mixed precision for the denoiser's forward (torch.autocast; weights stay in `dtype`): "
         "bf16 is the usual choice on GPUs; the sampler's Gaussian stays float32 and the recompute gap it causes is "
-        "logged as policy/rollout_logp_absdiff_max (README states what to expect)")
+        "logged as policy/rollout_logp_absdiff_max (docs/testbeds.md, text_to_image, says what to watch)")
     lora: LoRAConfig | None = Field(default_factory=LoRAConfig, description="adapters to train (None: the whole "
                                     "denoiser, whose full weights then go through the object store each step)")
     prompts: PromptsConfig = Field(default_factory=PromptsConfig)
