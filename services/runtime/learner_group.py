@@ -19,7 +19,7 @@ from steadyrl.rollout.batch import RolloutBatch
 from steadyrl.rollout.weight_broadcast import WeightBroadcastGroup
 from steadyrl.services.config import TrainConfig
 from steadyrl.services.runtime.actors import actor_info, setup_process
-from steadyrl.services.runtime.learner_rank import build_rank, update_on
+from steadyrl.services.runtime.learner_rank import HoldsRank, build_rank, update_on
 from steadyrl.services.runtime.placement import place_actors
 from steadyrl.services.runtime.rank_env import actor_device
 from steadyrl.services.runtime.ray_session import free_port
@@ -29,7 +29,7 @@ from steadyrl.trainer.learner import DeepSpeedLearner
 
 
 @ray.remote
-class LearnerActor:
+class LearnerActor(HoldsRank):
     """One DeepSpeed rank as a Ray actor around its `DeepSpeedLearner`. Constructed light; `init_engine` joins
     the process group (all ranks at once) and builds it."""
 
@@ -53,23 +53,6 @@ class LearnerActor:
     def update(self, *batches: RolloutBatch, controls: UpdateControls | None = None) -> dict[str, float]:
         """One update on the workers' batches (resolved from their ObjectRefs by Ray); its metrics."""
         return update_on(self.learner, batches, controls)
-
-    def weights(self) -> dict[str, torch.Tensor]:
-        """The trained tensors (`DeepSpeedLearner.weights`)."""
-        return self.learner.weights()
-
-    def sampling_weights(self) -> dict[str, torch.Tensor]:
-        """What the rollout workers sample with (`DeepSpeedLearner.sampling_weights`)."""
-        return self.learner.sampling_weights()
-
-    def save(self, directory: str) -> None:
-        self.learner.save(Path(directory))
-
-    def load(self, directory: str) -> None:
-        self.learner.load(Path(directory))
-
-    def save_batch(self, directory: str) -> None:
-        self.learner.save_batch(Path(directory))
 
     def join_weight_group(self, master_addr: str, master_port: int, size: int, backend: str) -> None:
         """Rank 0: become member 0 (the source) of the broadcast group to the rollout workers."""

@@ -1,10 +1,11 @@
 """One DeepSpeed learner rank without Ray: `build_rank` builds its `DeepSpeedLearner` and `update_on` runs one
 update on the rollout workers' batches. The Ray learner actors (`learner_group.LearnerActor`) and the local
-runtime (`local_runtime.LocalLearner`) each hold the learner this builds and call it directly."""
+runtime (`local_runtime.LocalLearner`) each hold the learner this builds (`HoldsRank`) and call it directly."""
 from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from pathlib import Path
 
 import torch
 
@@ -15,6 +16,30 @@ from steadyrl.services.runtime.rank_env import set_rank_env
 from steadyrl.services.testbeds import build_testbed
 from steadyrl.trainer.controls import UpdateControls
 from steadyrl.trainer.learner import DeepSpeedLearner
+
+
+class HoldsRank:
+    """What a holder of one rank's learner (`self.learner`, built by `build_rank`) answers for it: its weights and
+    checkpoints, with folders as strings (they cross Ray's boundary so)."""
+
+    learner: DeepSpeedLearner | None
+
+    def weights(self) -> dict[str, torch.Tensor]:
+        """The trained tensors (`DeepSpeedLearner.weights`)."""
+        return self.learner.weights()
+
+    def sampling_weights(self) -> dict[str, torch.Tensor]:
+        """What the rollout workers sample with (`DeepSpeedLearner.sampling_weights`)."""
+        return self.learner.sampling_weights()
+
+    def save(self, directory: str) -> None:
+        self.learner.save(Path(directory))
+
+    def load(self, directory: str) -> None:
+        self.learner.load(Path(directory))
+
+    def save_batch(self, directory: str) -> None:
+        self.learner.save_batch(Path(directory))
 
 
 def build_rank(cfg: TrainConfig, base_weights: dict[str, torch.Tensor], rank: int, world_size: int,

@@ -25,7 +25,7 @@ from steadyrl.rollout.numerics import using_threads
 from steadyrl.rollout.policy import trainable_state
 from steadyrl.services.config import TrainConfig
 from steadyrl.services.run_folder.checkpoints import rollout_weights_file
-from steadyrl.services.runtime.learner_rank import build_rank, update_on
+from steadyrl.services.runtime.learner_rank import HoldsRank, build_rank, update_on
 from steadyrl.services.runtime.malloc import keep_freed_memory
 from steadyrl.services.runtime.rank_env import free_port, local_device, torch_threads
 from steadyrl.services.runtime.rollouts import Rollouts
@@ -50,7 +50,7 @@ class LocalScorer:
             return self.ensemble.score_all(samples, cond, group)
 
 
-class LocalLearner:
+class LocalLearner(HoldsRank):
     """One learner rank in this process (`learner.ranks` must be 1 here)."""
 
     def __init__(self, cfg: TrainConfig, base_weights: dict[str, Tensor]):
@@ -67,18 +67,6 @@ class LocalLearner:
 
     def update(self, batches: list[Any], controls: UpdateControls | None = None) -> dict[str, float]:
         return update_on(self.learner, batches, controls)
-
-    def sampling_weights(self) -> dict[str, Tensor]:
-        return self.learner.sampling_weights()
-
-    def save(self, directory: str) -> None:
-        self.learner.save(Path(directory))
-
-    def load(self, directory: str) -> None:
-        self.learner.load(Path(directory))
-
-    def save_batch(self, directory: str) -> None:
-        self.learner.save_batch(Path(directory))
 
     def shutdown(self) -> None:
         self.learner = None  # the engine and its optimiser state go with the run
