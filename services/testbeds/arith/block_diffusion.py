@@ -1,19 +1,20 @@
-"""The arith_bd testbed: the arith tasks for a block-diffusion LM (DiffusionGemma), sampled by steadyrl's own
-block-diffusion sampler or vLLM's DiffusionGemma engine, with the same verifiers, services and learner as the other
-language models. It is arith_ar with another model family: the hooks below, and the engine it builds."""
+"""The arith_bd testbed: the arith task (testbed.py) for a block-diffusion LM (a tiny DiffusionGemma pre-trained
+here, or a real one by name), sampled by steadyrl's own block-diffusion sampler or vLLM's DiffusionGemma engine: its
+settings and its model family."""
 from __future__ import annotations
 
-from functools import cached_property
 from pathlib import Path
-from typing import TYPE_CHECKING, ClassVar, Literal
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 from pydantic import Field
 from torch import Tensor, nn
 
 from steadyrl.rollout.block_diffusion_lm import BlockDiffusionLMConfig
-from steadyrl.services.testbeds.arith.autoregressive import ArithARSettings, ArithARTestbed
+from steadyrl.services.testbeds.arith.autoregressive import ArithARSettings
+from steadyrl.services.testbeds.arith.family import ModelFamily
 from steadyrl.services.testbeds.arith.pretrain_block_diffusion import BlockDiffusionPretrainConfig
 from steadyrl.services.testbeds.arith.rest import ArithBDRequest
+from steadyrl.services.testbeds.arith.testbed import ArithTaskTestbed
 from steadyrl.services.testbeds.rest import RestProfile
 
 if TYPE_CHECKING:
@@ -40,93 +41,82 @@ class ArithBDSettings(ArithARSettings):
                              "behaviour likelihood to weigh a lagged sample by; set learner.max_staleness=0")
 
 
-class ArithBDTestbed(ArithARTestbed):
-    """A DiffusionGemma on the arith tasks; the exact verifier is reward and monitor (as `arith`)."""
+class BlockDiffusionLM(ModelFamily):
+    """A DiffusionGemma: blocks (canvases) of uniform noise denoised one after another over a causal prefix."""
 
-    name = "arith_bd"
-    Settings = ArithBDSettings
-    rest = RestProfile("arith_bd", ArithBDRequest, items=True)
-    settings: ArithBDSettings
     cache_tag = "bdlm"
     weights_file = "block_diffusion_lm.safetensors"
+    greedy_eval = False  # the training sampler's commits are argmaxes already (only the canvas noise is random, seeded)
 
-    # ------------------------------------------------------------------ the model family
-    def _default_lora_targets(self, net: nn.Module) -> list[str]:
+    def lora_targets(self, net: Any) -> list[str]:
         from steadyrl.rollout.block_diffusion_lm import block_diffusion_lora_targets
 
         return block_diffusion_lora_targets(net)
 
-    def _load_pretrained(self, dtype=None) -> nn.Module:
+    def load_pretrained(self, tb: ArithTaskTestbed, dtype=None) -> nn.Module:
         from steadyrl.rollout.block_diffusion_lm import load_pretrained_block_diffusion_lm
 
-        return load_pretrained_block_diffusion_lm(self.settings.pretrained, dtype)
+        return load_pretrained_block_diffusion_lm(tb.settings.pretrained, dtype)
 
-    def _tiny_network(self, weights: dict[str, Tensor]) -> nn.Module:
+    def tiny_network(self, tb: ArithTaskTestbed, weights: dict[str, Tensor]) -> nn.Module:
         from steadyrl.rollout.arith import TOKENIZER
         from steadyrl.rollout.block_diffusion_lm import block_diffusion_lm_from_weights
 
-        return block_diffusion_lm_from_weights(self.settings.model, len(TOKENIZER), TOKENIZER.pad_id,
-                                               TOKENIZER.eos_id, self.cfg.sampler.block, weights)
+        return block_diffusion_lm_from_weights(tb.settings.model, len(TOKENIZER), TOKENIZER.pad_id,
+                                               TOKENIZER.eos_id, tb.cfg.sampler.block, weights)
 
-    def _pretrained_architecture(self, weights: dict[str, Tensor]) -> nn.Module:
+    def pretrained_architecture(self, tb: ArithTaskTestbed, weights: dict[str, Tensor]) -> nn.Module:
         from steadyrl.rollout.block_diffusion_lm import pretrained_block_diffusion_architecture
 
-        return pretrained_block_diffusion_architecture(self.settings.pretrained, weights)
+        return pretrained_block_diffusion_architecture(tb.settings.pretrained, weights)
 
-    def _pretrain_tiny(self, progress: bool) -> Path:
+    def pretrain_tiny(self, tb: ArithTaskTestbed, progress: bool) -> Path:
         from steadyrl.services.testbeds.arith.pretrain_block_diffusion import ensure_pretrained_block_diffusion_lm
 
-        a = self.settings
-        return ensure_pretrained_block_diffusion_lm(self.task, a.model, self.cfg.sampler.block, a.pretrain, progress)
+        a = tb.settings
+        return ensure_pretrained_block_diffusion_lm(tb.task, a.model, tb.cfg.sampler.block, a.pretrain, progress)
 
-    def _sampler(self, cfg):
-        """The block-diffusion sampler with the model's vocabulary size and the tokenizer's EOS and pad ids."""
-        from steadyrl.rollout.sampler_factory import build_sampler
+    def sampler_options(self, tb: ArithTaskTestbed) -> dict[str, Any]:
+        return {"vocab_size": tb.hf_config.get_text_config().vocab_size}
 
-        codec = self.codec
-        return build_sampler(cfg, eos_token_id=codec.eos_id, pad_token_id=codec.pad_id,
-                             vocab_size=self.hf_config.get_text_config().vocab_size)
-
-    def eval_sampler(self):
-        """The training sampler: its commits are argmaxes already (only the canvas noise is random, seeded)."""
-        return self._sampler(self.cfg.sampler)
-
-    # ------------------------------------------------------------------ the vLLM backend
-    @cached_property
-    def hf_config(self):
-        """The model's transformers config, without its weights: the tiny DiffusionGemma's, or the named model's."""
-        a = self.settings
+    def hf_config(self, tb: ArithTaskTestbed):
+        """The tiny DiffusionGemma's config, or the named model's."""
+        a = tb.settings
         if a.pretrained is None:
             from steadyrl.rollout.arith import TOKENIZER
             from steadyrl.rollout.block_diffusion_lm import block_diffusion_lm_config
 
             return block_diffusion_lm_config(a.model, len(TOKENIZER), TOKENIZER.pad_id, TOKENIZER.eos_id,
-                                             self.cfg.sampler.block)
+                                             tb.cfg.sampler.block)
         from transformers import AutoConfig
 
         return AutoConfig.from_pretrained(a.pretrained)
 
-    def _check_engine(self) -> None:
+    def check_engine(self, tb: ArithTaskTestbed) -> None:
         """vLLM is installed and can sample a diffusion model on this machine."""
         from steadyrl.rollout.vllm_diffusion import check_diffusion_engine
 
-        check_diffusion_engine(self.settings.pretrained or "the tiny DiffusionGemma")
+        check_diffusion_engine(tb.settings.pretrained or "the tiny DiffusionGemma")
 
-    def _engine(self, weights: dict[str, Tensor], device) -> nn.Module:
-        """vLLM's DiffusionGemma engine over the base model (with the sampler's generation_config.json), holding
-        `weights` (the full weights, or the adapters)."""
-        import tempfile
+    def generation_config(self, tb: ArithTaskTestbed) -> dict[str, Any]:
+        """The sampler's settings, for the engine to read from the tiny base's checkpoint directory."""
+        from steadyrl.rollout.vllm_diffusion import generation_config
 
-        from steadyrl.rollout.causal_lm import write_hf_checkpoint
-        from steadyrl.rollout.vllm_diffusion import VLLMBlockDiffusionEngine, generation_config
+        return generation_config(tb.cfg.sampler)
 
-        a, cfg = self.settings, self.cfg.sampler
-        if a.pretrained is not None:  # the engine loads the named model itself (its own generation_config.json)
-            model = a.pretrained
-        else:
-            net = self._base_network() if a.lora is not None else self._tiny_network(weights)
-            model = str(write_hf_checkpoint(net, Path(tempfile.mkdtemp(prefix="steadyrl-vllm-model-")),
-                                            generation_config(cfg)))
-        targets = None if a.lora is None else a.lora.target_modules or self._default_lora_targets(self.hf_config)
-        return VLLMBlockDiffusionEngine(model, cfg, self._max_model_len(), weights, a.lora, targets,
+    def engine(self, tb: ArithTaskTestbed, model: str, weights: dict[str, Tensor], targets: list[str] | None,
+               device) -> nn.Module:
+        """vLLM's DiffusionGemma engine (a named model brings its own generation_config.json)."""
+        from steadyrl.rollout.vllm_diffusion import VLLMBlockDiffusionEngine
+
+        return VLLMBlockDiffusionEngine(model, tb.cfg.sampler, tb.max_model_len(), weights, tb.settings.lora, targets,
                                         device=str(device))
+
+
+class ArithBDTestbed(ArithTaskTestbed):
+    """A DiffusionGemma on the arith tasks; the exact verifier is reward and monitor (as `arith`)."""
+
+    name = "arith_bd"
+    Settings = ArithBDSettings
+    rest = RestProfile("arith_bd", ArithBDRequest, items=True)
+    family = BlockDiffusionLM()
