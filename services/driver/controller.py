@@ -20,11 +20,10 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
-from rich.table import Table
 
 from steadyrl.rollout.cache import write_text_atomically
 from steadyrl.services.config import ConfigError, TrainConfig, dump_config, load_config
+from steadyrl.services.driver.console import progress_bar, summary_table
 from steadyrl.services.driver.resume import check_resume, record_resume
 from steadyrl.services.driver.run_health import RunHealth
 from steadyrl.services.run_folder.checkpoints import (ACTORS_FILE, CHECKPOINTS, CONTROLLER_STATE, RunFailed,  # noqa: F401
@@ -143,7 +142,7 @@ class Controller:
                 self.evaluate(0)
                 if cfg.health.rollback.enabled:
                     self.checkpoint(0)  # a collapse in the first updates has somewhere to go back to
-            with self.progress_bar(start) as bar:
+            with progress_bar(cfg, self.testbed, self.console, start) as bar:
                 step = start
                 while True:
                     try:
@@ -172,7 +171,8 @@ class Controller:
                            self.evals[-1] if self.evals else None, interrupted, exit_status,
                            {k: v / n for k, v in self.timing_sums.items()})
         if cfg.run.progress:
-            self.console.print(summary_table(result, self.testbed.labels, self.testbed.headline))
+            self.console.print(summary_table(result.run_dir, result.base_eval, result.final_eval, result.steps_done,
+                                             result.timing, self.testbed.labels, self.testbed.headline))
         return result
 
     def fit(self, start: int, writer: MetricsWriter, bar: Callable[[int, dict[str, float]], None]) -> None:
@@ -247,28 +247,6 @@ class Controller:
         metrics["rollout/samples"] = metrics.pop("n")
         metrics["perf/samples_per_s"] = metrics["rollout/samples"] / metrics["timing_s/step"]
         return metrics
-
-    def progress_bar(self, start: int) -> Any:
-        """A context manager yielding `update(steps_done, metrics)` for the run's progress bar."""
-        cfg, testbed = self.cfg, self.testbed
-        proxy_label, gold_label = testbed.labels
-        progress = Progress(
-            TextColumn("[bold]RL"), BarColumn(), MofNCompleteColumn(),
-            TextColumn(proxy_label + " {task.fields[proxy]:.3f}  " + gold_label + " {task.fields[gold]:"
-                       + testbed.headline_format + "}  KL {task.fields[kl]:.1e}  {task.fields[dt]:.2f}s/step"),
-            TimeElapsedColumn(), TimeRemainingColumn(), console=self.console, disable=not cfg.run.progress,
-        )
-
-        @contextmanager
-        def bar() -> Iterator[Callable[[int, dict[str, float]], None]]:
-            with progress:
-                task = progress.add_task("rl", total=cfg.run.steps, completed=start, proxy=0.0, gold=0.0, kl=0.0,
-                                         dt=0.0)
-                yield lambda done, m: progress.update(
-                    task, completed=done, proxy=m["reward/train_mean"], gold=m["reward/held_out"],
-                    kl=m["policy/kl_ref_monitor"], dt=m["timing_s/step"])
-
-        return bar()
 
     def evaluate(self, step: int) -> dict[str, Any]:
         DRIVER_FETCHES.take()  # the evaluation's fetches are counted apart from the steps'
@@ -366,31 +344,6 @@ def merge_summaries(summaries: list[dict[str, float]]) -> dict[str, float]:
         else:
             out[k] = sum(s[k] * s["n"] for s in summaries) / total
     return out
-
-
-def _percent(value: float, breakdown: bool = False) -> str:
-    return format(value, ".0%" if breakdown else ".1%")
-
-
-def summary_table(result: RunResult, labels: tuple[str, str] = ("proxy", "gold"),
-                  headline: Callable[..., str] = _percent) -> Table:
-    """Base vs final evaluation (`headline` formats the held-out figure: the testbed's `headline`)."""
-    table = Table(title=f"steadyrl run summary  ({result.run_dir})")
-    table.add_column("prompts")
-    table.add_column(f"{labels[1]} base", justify="right")
-    table.add_column(f"{labels[1]} final", justify="right")
-    base, final = result.base_eval, result.final_eval
-    if base and final:
-        for key, b in base["breakdown"].items():
-            f = final["breakdown"].get(key)
-            table.add_row(key, headline(b, breakdown=True), "-" if f is None else headline(f, breakdown=True))
-        table.add_row("[bold]all", f"[bold]{headline(base['held_out'])}", f"[bold]{headline(final['held_out'])}")
-        table.add_row(f"{labels[0]} reward", f"{base['proxy_mean']:.3f}", f"{final['proxy_mean']:.3f}")
-        table.add_row("diversity (nn)", f"{base['diversity_nn']:.2f}", f"{final['diversity_nn']:.2f}")
-    if result.timing:
-        split = "  ".join(f"{k.split('/')[1]} {v:.2f}s" for k, v in sorted(result.timing.items()))
-        table.caption = f"steps {result.steps_done}; mean per step: {split}"
-    return table
 
 
 def train(config: str | Path | None = None, overrides: list[str] | tuple[str, ...] = (),
