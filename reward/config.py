@@ -17,6 +17,7 @@ from steadyrl.reward.base import RewardModel
 from steadyrl.reward.classifiers import ClassifierSpec, DigitClassifierReward, load_classifier
 from steadyrl.reward.ensemble_spec import EnsembleSpec
 from steadyrl.reward.factory import JpegSpec, RewardSpec, build_reward_model
+from steadyrl.reward.python_reward import PythonRewardSpec
 from steadyrl.reward.weighting import WEIGHTED, RewardWeighting
 from steadyrl.rollout.settings_base import StrictModel
 
@@ -40,6 +41,9 @@ class RewardConfig(StrictModel):
     members: list[ClassifierSpec] = Field(default_factory=_default_members)
     gold: ClassifierSpec = Field(default_factory=_default_gold)
     jpeg: bool = Field(False, description="add the JPEG-compressibility reward as a member")
+    functions: list[PythonRewardSpec] = Field(
+        default_factory=list, description="your own reward functions as members beside the classifiers "
+        "(reward/python_reward.py: called with the B images as uint8 arrays and their class ids)")
     train_on: str = Field("cnn", description="member name, 'mean' for the ensemble mean, or 'weighted' (`weighting`)")
     feature_model: str = Field("cnn", description="member whose features measure diversity")
     weighting: RewardWeighting | None = Field(
@@ -48,9 +52,9 @@ class RewardConfig(StrictModel):
     min_proxy_accuracy: float = Field(0.9, ge=0, le=1)
     min_gold_accuracy: float = Field(0.97, ge=0, le=1)
 
-    def member_specs(self) -> list[ClassifierSpec | JpegSpec]:
+    def member_specs(self) -> list[ClassifierSpec | JpegSpec | PythonRewardSpec]:
         """The ensemble members' specs, in column order (`reward.factory` builds each)."""
-        return [*self.members, *([JpegSpec()] if self.jpeg else [])]
+        return [*self.members, *([JpegSpec()] if self.jpeg else []), *self.functions]
 
     def ensemble_spec(self) -> EnsembleSpec:
         """The classifier ensemble with the gold classifier watching (its top-1 verdict is the accuracy)."""
@@ -83,7 +87,7 @@ def check_weighting(train_on: str, weighting: RewardWeighting | None, trained: l
         weighting.check_names(trained, monitors)
 
 
-IMAGE_KINDS = ("jpeg", "clip_score", "aesthetic", "preference")  # score images [B,3,H,W] given B prompt strings
+IMAGE_KINDS = ("jpeg", "clip_score", "aesthetic", "preference", "python")  # score images [B,3,H,W] given B prompts
 FEATURE_KINDS = ("clip_score", "aesthetic", "preference")  # CLIP-based: `features` are CLIP image embeddings
 
 
@@ -224,7 +228,7 @@ def differentiable_train_reward(cfg: RewardConfig) -> Callable[[Tensor, Tensor],
     the `train_on` classifier's probability of the requested digit, the mean over classifier members, or
     (train_on 'weighted') sum_k w_k r_k over the weighted members with the normalised weights w_k."""
     weights = cfg.weighting.normalised() if cfg.weighting is not None else None
-    names = ([m.name for m in cfg.members] if cfg.train_on == "mean" else
+    names = ([m.name for m in [*cfg.members, *cfg.functions]] if cfg.train_on == "mean" else
              list(weights) if weights is not None else [cfg.train_on])
     specs = [next(m for m in cfg.members if m.name == n) for n in names if any(m.name == n for m in cfg.members)]
     if len(specs) != len(names):  # 'jpeg_compressibility' has no gradient

@@ -10,6 +10,8 @@ model scores the same whether it runs in a benchmark or behind REST. A spec's `k
     clip_score   image-prompt agreement, scale * cos(CLIP image, CLIP text) (reward/clip_score.py)
     aesthetic    LAION's aesthetic predictor, an MLP on CLIP image embeddings (reward/aesthetic.py)
     preference   human preference in PickScore's form, exp(logit_scale) * cos (reward/preference.py)
+    python       a user's function or class by import path, called on uint8 images and prompts
+                 (reward/python_reward.py)
 
 The image-text kinds load a transformers CLIPModel by hub id or local directory (`model`) and score
 images [B,3,H,W] in [-1, 1] against a list of B prompts (reward/clip_models.py).
@@ -23,6 +25,7 @@ from pydantic import Discriminator, Field, Tag, TypeAdapter
 from steadyrl.reward.base import RewardModel
 from steadyrl.reward.classifiers import ClassifierSpec
 from steadyrl.reward.clip_models import DType
+from steadyrl.reward.python_reward import PythonRewardSpec
 from steadyrl.reward.verifiers import VerifierSpec
 from steadyrl.rollout.settings_base import StrictModel
 
@@ -97,7 +100,8 @@ class PreferenceSpec(PromptReadingSettings):
 RewardSpec = Annotated[
     Union[Annotated[ClassifierSpec, Tag("classifier")], Annotated[JpegSpec, Tag("jpeg")],
           Annotated[VerifierSpec, Tag("verifier")], Annotated[ClipScoreSpec, Tag("clip_score")],
-          Annotated[AestheticSpec, Tag("aesthetic")], Annotated[PreferenceSpec, Tag("preference")]],
+          Annotated[AestheticSpec, Tag("aesthetic")], Annotated[PreferenceSpec, Tag("preference")],
+          Annotated[PythonRewardSpec, Tag("python")]],
     Discriminator("kind"),
 ]
 _SPEC = TypeAdapter(RewardSpec)
@@ -136,4 +140,8 @@ def build_reward_model(spec: RewardSpec | dict[str, Any]) -> RewardModel:
         from steadyrl.reward.preference import PreferenceReward
 
         return PreferenceReward.from_spec(spec)
+    if isinstance(spec, PythonRewardSpec):
+        from steadyrl.reward.python_reward import PythonReward
+
+        return PythonReward.from_spec(spec)
     raise ValueError(f"unknown reward model spec {spec!r}")

@@ -1,0 +1,163 @@
+"""A user's reward function by import path (`kind: python`): no registration, no change to steadyrl.
+
+    function: my_rewards.brightness:score        a module on sys.path, and the attribute in it
+    function: ./my_rewards.py:score              a file (made absolute when the config loads)
+
+The attribute is a function, called as `fn(images, prompts, **settings)`, or a class, built once as
+`cls(**settings)` and then called as `obj(images, prompts)`. For image testbeds:
+
+    images   list of B uint8 arrays [H, W, C] (`images: pil`: PIL images), decoded from [-1, 1]
+    prompts  list of B conditions: prompt strings (text_to_image) or class ids (digits)
+    returns  B numbers, higher is better (a list, a numpy array or a tensor)
+
+A function that raises fails the step with its own message and the path (a user's bug is not retried); a
+return of the wrong length or with non-numbers is an error naming the reward. Non-finite scores are the
+ensemble's rule, as for every model (`reward.base.check_scores`).
+"""
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import inspect
+import sys
+from pathlib import Path
+from typing import Any, Callable, Literal
+
+import numpy as np
+import torch
+from pydantic import Field, field_validator
+from torch import Tensor
+
+from steadyrl.rollout.settings_base import StrictModel
+
+
+class RewardFunctionError(RuntimeError):
+    """A user's reward function raised, or returned something that is not B numbers."""
+
+
+class PythonRewardSpec(StrictModel):
+    """A reward function or class by import path (module docstring has the signature)."""
+
+    kind: Literal["python"] = "python"
+    name: str = Field(description="the reward's name: its column in the ensemble and in the metrics")
+    function: str = Field(description="`module.path:attribute` or `path/to/file.py:attribute`: a function "
+                          "called per batch, or a class built once with `settings` and then called per batch")
+    settings: dict[str, Any] = Field(default_factory=dict, description="keyword arguments: the class's "
+                                     "constructor's, or passed to the function on every call")
+    images: Literal["uint8", "pil"] = Field("uint8", description="how images reach the function: uint8 arrays "
+                                            "[H, W, C] or PIL images")
+
+    @field_validator("function")
+    @classmethod
+    def _resolves(cls, v: str) -> str:
+        """The path resolves now, when the config loads (a file path is made absolute, so every process finds
+        it); a typo fails here, before anything starts."""
+        v = absolute_path(v)
+        resolve(v)
+        return v
+
+
+def absolute_path(function: str) -> str:
+    """`file.py:attr` with the file made absolute; a module path unchanged."""
+    target, _, attr = function.rpartition(":")
+    if target.endswith(".py"):
+        return f"{Path(target).expanduser().resolve()}:{attr}"
+    return function
+
+
+def resolve(function: str) -> Any:
+    """The object `module.path:attr` or `file.py:attr` names; a ValueError naming what did not resolve."""
+    target, sep, attr = function.rpartition(":")
+    if not sep or not target or not attr:
+        raise ValueError(f"function={function!r} must be 'module.path:attribute' or 'path/to/file.py:attribute'")
+    if target.endswith(".py"):
+        path = Path(target)
+        if not path.is_file():
+            raise ValueError(f"function={function!r}: no file {path}")
+        name = f"steadyrl_user_reward_{abs(hash(str(path)))}"
+        module = sys.modules.get(name)
+        if module is None:
+            spec = importlib.util.spec_from_file_location(name, path)
+            module = importlib.util.module_from_spec(spec)
+            try:
+                spec.loader.exec_module(module)
+            except Exception as err:
+                raise ValueError(f"function={function!r}: importing {path} raised {type(err).__name__}: {err}") from err
+            sys.modules[name] = module
+    else:
+        try:
+            module = importlib.import_module(target)
+        except ImportError as err:
+            raise ValueError(f"function={function!r}: cannot import module {target!r} ({err}); is it installed or "
+                             "on PYTHONPATH? A file can be named by its path: path/to/file.py:attribute") from err
+    if not hasattr(module, attr):
+        raise ValueError(f"function={function!r}: module {target!r} has no attribute {attr!r}")
+    obj = getattr(module, attr)
+    if not callable(obj):
+        raise ValueError(f"function={function!r}: {attr!r} is a {type(obj).__name__}, not a function or class")
+    return obj
+
+
+def to_images(samples: Tensor, form: Literal["uint8", "pil"]) -> list[Any]:
+    """[B, C, H, W] in [-1, 1] -> B uint8 arrays [H, W, C] (round((x + 1) * 127.5)), or PIL images of them."""
+    arrays = ((samples.detach().float().clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8)
+    arrays = arrays.permute(0, 2, 3, 1).cpu().numpy()
+    if form == "uint8":
+        return list(arrays)
+    from PIL import Image
+
+    return [Image.fromarray(a[..., 0] if a.shape[-1] == 1 else a) for a in arrays]
+
+
+def to_prompts(cond: Tensor | list[str]) -> list[Any]:
+    """Prompt strings as they are; class ids as ints."""
+    return cond.tolist() if isinstance(cond, Tensor) else list(cond)
+
+
+class PythonReward:
+    """The `RewardModel` over a user's function or class (module docstring)."""
+
+    def __init__(self, name: str, function: str, call: Callable[..., Any], images: Literal["uint8", "pil"] = "uint8"):
+        self.name, self.function, self.call, self.images = name, function, call, images
+
+    @classmethod
+    def from_spec(cls, spec: PythonRewardSpec) -> "PythonReward":
+        target = resolve(spec.function)
+        if inspect.isclass(target):
+            try:
+                call = target(**spec.settings)
+            except Exception as err:
+                raise ValueError(f"reward {spec.name!r}: building {spec.function} with settings {spec.settings} "
+                                 f"raised {type(err).__name__}: {err}") from err
+        else:
+            settings = dict(spec.settings)
+
+            def call(images: list[Any], prompts: list[Any]) -> Any:
+                return target(images, prompts, **settings)
+        return cls(spec.name, spec.function, call, spec.images)
+
+    def score(self, samples: Tensor, cond: Tensor | list[str]) -> Tensor:
+        images, prompts = to_images(samples, self.images), to_prompts(cond)
+        try:
+            out = self.call(images, prompts)
+        except Exception as err:
+            raise RewardFunctionError(f"reward {self.name!r} ({self.function}) raised {type(err).__name__}: "
+                                      f"{err}") from err
+        return as_scores(self.name, self.function, out, len(images))
+
+    def health_probe(self) -> None:
+        """None: a user's function is scored on real batches only (a probe input might not suit it)."""
+        return None
+
+
+def as_scores(name: str, function: str, out: Any, batch: int) -> Tensor:
+    """A function's return as [B] float32; an error naming the reward for a wrong length or non-numbers."""
+    try:
+        values = torch.as_tensor(np.asarray(out, dtype=np.float64)).flatten()
+    except (TypeError, ValueError) as err:
+        raise RewardFunctionError(f"reward {name!r} ({function}) returned {type(out).__name__}, not {batch} "
+                                  f"numbers: {err}") from err
+    if np.ndim(out) > 1 or len(values) != batch:
+        raise RewardFunctionError(f"reward {name!r} ({function}) returned {len(values)} scores of shape "
+                                  f"{tuple(np.shape(out))} for {batch} samples: one number per sample is needed")
+    return values.to(torch.float32)

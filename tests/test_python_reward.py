@@ -1,0 +1,144 @@
+"""A user's reward function by import path (`kind: python`, reward/python_reward.py): it resolves when the
+config loads, sees the images as uint8 arrays and the prompts as given, is built once as a class, fails with its
+own message, and scores a training run through the Serve ensemble exactly as in one process."""
+from __future__ import annotations
+
+import json
+import textwrap
+
+import numpy as np
+import pytest
+import torch
+
+from steadyrl.reward.factory import build_reward_model, parse_reward_spec
+from steadyrl.reward.python_reward import RewardFunctionError
+from steadyrl.services.config import CONFIG_DIR, ConfigError, load_config
+from steadyrl.services.driver.controller import train
+from steadyrl.services.run_folder.metrics import read_metrics
+from tests.helpers import SMOKE_SHORT, computed_metrics
+
+USER_REWARDS = '''
+import numpy as np
+
+def brightness(images, prompts, scale=1.0):
+    """Mean pixel value in [0, 1], times `scale`."""
+    return [scale * float(np.asarray(im, dtype=np.float64).mean()) / 255 for im in images]
+
+def echo_labels(images, prompts):
+    return [float(p) for p in prompts]
+
+def broken(images, prompts):
+    raise KeyError("no such font")
+
+def short(images, prompts):
+    return [1.0] * (len(images) - 1)
+
+def words(images, prompts):
+    return ["high"] * len(images)
+
+class Counted:
+    built = 0
+
+    def __init__(self, offset):
+        Counted.built += 1
+        self.offset = offset
+
+    def __call__(self, images, prompts):
+        return [self.offset + im.shape[0] for im in images]
+'''
+
+
+@pytest.fixture
+def rewards_file(tmp_path):
+    path = tmp_path / "user_rewards.py"
+    path.write_text(textwrap.dedent(USER_REWARDS))
+    return path
+
+
+def model(path, attr, **kw):
+    return build_reward_model(parse_reward_spec({"kind": "python", "name": attr, "function": f"{path}:{attr}", **kw}))
+
+
+def test_the_function_sees_uint8_images_decoded_from_minus_one_to_one_and_the_prompts_as_given(rewards_file):
+    samples = torch.tensor([[[[-1.0, 1.0], [0.0, 0.5]]], [[[1.0, 1.0], [1.0, 1.0]]]])  # [2, 1, 2, 2]
+    pixels = np.round((samples.numpy() + 1) * 127.5)  # 0, 255, 128 (127.5 rounds to even), 191
+    want = pixels.reshape(2, -1).mean(axis=1) / 255 * 2
+    got = model(rewards_file, "brightness", settings={"scale": 2.0}).score(samples, torch.tensor([3, 7]))
+    assert got.dtype == torch.float32 and torch.equal(got, torch.tensor(want, dtype=torch.float32))
+    assert model(rewards_file, "echo_labels").score(samples, torch.tensor([3, 7])).tolist() == [3.0, 7.0]
+
+
+def test_a_class_is_built_once_with_its_settings_and_then_called_per_batch(rewards_file):
+    reward = model(rewards_file, "Counted", settings={"offset": 10})
+    module = __import__("sys").modules[type(reward.call).__module__]
+    for _ in range(3):
+        assert reward.score(torch.zeros(2, 3, 4, 4), ["a", "b"]).tolist() == [14.0, 14.0]  # offset + H
+    assert module.Counted.built == 1
+
+
+def test_pil_images_are_given_when_asked(tmp_path):
+    path = tmp_path / "pil_reward.py"
+    path.write_text("def size(images, prompts):\n    return [im.size[0] * 100 + len(im.mode) for im in images]\n")
+    got = model(path, "size", images="pil").score(torch.zeros(2, 3, 5, 4), ["x", "y"])
+    assert got.tolist() == [403.0, 403.0]  # width 4, mode "RGB"
+
+
+@pytest.mark.parametrize("attr,needle", [
+    ("broken", r"reward 'broken' \(.*user_rewards.py:broken\) raised KeyError: 'no such font'"),
+    ("short", r"reward 'short' .* returned 1 scores .* for 2 samples"),
+    ("words", r"reward 'words' .* returned list, not 2 numbers"),
+])
+def test_a_bad_function_fails_with_its_own_message_and_the_path(rewards_file, attr, needle):
+    with pytest.raises(RewardFunctionError, match=needle):
+        model(rewards_file, attr).score(torch.zeros(2, 1, 2, 2), torch.tensor([0, 1]))
+
+
+@pytest.mark.parametrize("function,needle", [
+    ("no_such_module_anywhere:score", r"cannot import module 'no_such_module_anywhere'"),
+    ("{file}:missing", r"has no attribute 'missing'"),
+    ("{dir}/absent.py:score", r"no file .*absent.py"),
+    ("just_a_name", r"must be 'module.path:attribute'"),
+])
+def test_a_path_that_does_not_resolve_fails_when_the_config_loads(rewards_file, function, needle):
+    function = function.format(file=rewards_file, dir=rewards_file.parent)
+    with pytest.raises(ConfigError, match=needle):
+        load_config(CONFIG_DIR / "smoke.yaml", [f"testbed.reward.functions=[{{name: mine, function: '{function}'}}]"])
+
+
+def test_a_reward_function_trains_through_the_serve_ensemble_exactly_as_in_one_process(rewards_file, tmp_path):
+    """The digits run trained on a user's brightness reward (its own column, weighted 1:1 with the CNN
+    classifier): the Ray runtime (the function inside a Serve replica) and the local runtime give the same
+    metrics and evaluations, bit for bit, and the function's column is logged every step."""
+    fn = f"{rewards_file}:brightness"
+    overrides = [*SMOKE_SHORT, "run.steps=2", "run.checkpoint_every=2", "run.eval_every=2",
+                 f"testbed.reward.functions=[{{name: bright, function: '{fn}'}}]",
+                 "testbed.reward.train_on=weighted",
+                 "testbed.reward.weighting={weights: {cnn: 1.0, bright: 1.0}}"]
+    local = train(CONFIG_DIR / "smoke.yaml", [f"run.run_dir={tmp_path / 'local'}", "run.runtime=local", *overrides])
+    on_ray = train(CONFIG_DIR / "smoke.yaml", [f"run.run_dir={tmp_path / 'ray'}", *overrides])
+    rows = read_metrics(local.run_dir)
+    assert [r["step"] for r in rows] == [1, 2] and all(0 < r["reward/bright"] < 1 for r in rows)
+    assert computed_metrics(rows) == computed_metrics(read_metrics(on_ray.run_dir))
+    assert json.loads((local.run_dir / "evals.json").read_text()) == json.loads((on_ray.run_dir / "evals.json")
+                                                                                 .read_text())
+
+
+def test_a_class_whose_settings_fail_is_named_with_its_settings(rewards_file):
+    with pytest.raises(ValueError, match=r"reward 'Counted': building .*:Counted with settings \{'offset': 1, "
+                                         r"'colour': 'red'\} raised TypeError"):
+        model(rewards_file, "Counted", settings={"offset": 1, "colour": "red"})
+
+
+def test_on_text_to_image_a_function_is_a_member_of_the_image_ensemble_beside_the_built_in_models(rewards_file):
+    """`testbed.reward.models` takes `kind: python` beside JPEG: the ensemble scores images [B,3,H,W] with their
+    prompt strings, and the function's column is its values."""
+    from steadyrl.reward.config import ImageRewardConfig
+
+    cfg = ImageRewardConfig.model_validate({"models": [
+        {"kind": "jpeg", "upscale": 1}, {"kind": "python", "name": "bright", "function": f"{rewards_file}:brightness"}],
+        "train_on": "bright"})
+    images = torch.linspace(-1, 1, 2 * 3 * 8 * 8).reshape(2, 3, 8, 8)
+    scores = cfg.ensemble_spec().build().score_all(images, ["a cat", "a dog"])
+    want = model(rewards_file, "brightness").score(images, ["a cat", "a dog"])
+    assert scores.names == ["jpeg_compressibility", "bright"] and torch.equal(scores.reward, want)
+    assert torch.equal(scores.scores[:, 1], want) and bool((want > 0).all())
