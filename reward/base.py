@@ -20,6 +20,21 @@ class RewardModel(Protocol):
         """(samples, cond) of one input that `score` of a sound model scores finitely; None: nothing to probe."""
 
 
+@runtime_checkable
+class GroupwiseRewardModel(RewardModel, Protocol):
+    """A reward model that scores whole prompt groups: `score_groups(samples, cond, group [B] | None) -> [B]`
+    (None: the batch is one group), e.g. a rank within the group."""
+
+    def score_groups(self, samples: Tensor, cond: Tensor, group: Tensor | None) -> Tensor: ...
+
+
+def score_model(model: RewardModel, samples: Tensor, cond: Tensor, group: Tensor | None = None) -> Tensor:
+    """One model's scores [B], checked: a groupwise model sees the prompt groups, any other scores per sample."""
+    if isinstance(model, GroupwiseRewardModel):
+        return check_scores(model.name, model.score_groups(samples, cond, group), samples.shape[0])
+    return check_scores(model.name, model.score(samples, cond), samples.shape[0])
+
+
 def check_scores(name: str, scores: Tensor, batch: int) -> Tensor:
     """Reject wrong shapes and non-finite rewards with an error naming the model."""
     if scores.shape != (batch,):

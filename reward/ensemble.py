@@ -13,7 +13,7 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
-from steadyrl.reward.base import RewardModel, check_scores
+from steadyrl.reward.base import RewardModel, score_model
 from steadyrl.reward.weighting import WEIGHTED, WEIGHTING_KEY, RewardWeighting
 from steadyrl.rollout.batch import RolloutBatch
 
@@ -101,11 +101,10 @@ class RewardEnsemble:
         self.name = "ensemble"
 
     def score_all(self, samples: Tensor, cond: Tensor, group: Tensor | None = None) -> EnsembleScores:
-        B = samples.shape[0]
-        cols = [check_scores(m.name, m.score(samples, cond), B) for m in self.members]
+        cols = [score_model(m, samples, cond, group) for m in self.members]
         out = combine_scores([m.name for m in self.members], torch.stack(cols, dim=1), group, self.train_on,
                              self.weighting)
-        out.monitors = monitor_scores(self.monitors, samples, cond, self.correct)
+        out.monitors = monitor_scores(self.monitors, samples, cond, self.correct, group)
         if self.feature_model is not None:
             out.features = self.feature_model.features(samples)  # type: ignore[attr-defined]
         return out
@@ -115,12 +114,12 @@ class RewardEnsemble:
 
 
 def monitor_scores(monitors: Sequence[RewardModel], samples: Tensor, cond: Tensor,
-                   correct: Sequence[str] = ()) -> dict[str, Tensor]:
+                   correct: Sequence[str] = (), group: Tensor | None = None) -> dict[str, Tensor]:
     """Scores of monitor-only models, and the 0/1 verdict `<name>_correct` of those named in `correct` (a
     classifier's top-1, a verifier's exact match): the Serve ingress applies the same rule."""
     out: dict[str, Tensor] = {}
     for m in monitors:
-        out[m.name] = check_scores(m.name, m.score(samples, cond), samples.shape[0])
+        out[m.name] = score_model(m, samples, cond, group)
         if m.name in correct:
             out[f"{m.name}_correct"] = m.correct(samples, cond)  # type: ignore[attr-defined]
     return out

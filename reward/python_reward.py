@@ -10,6 +10,9 @@ The attribute is a function, called as `fn(images, prompts, **settings)`, or a c
     prompts  list of B conditions: prompt strings (text_to_image) or class ids (digits)
     returns  B numbers, higher is better (a list, a numpy array or a tensor)
 
+`groupwise: true` calls it once per prompt group, with that group's images and prompts (in batch order), so it
+can score a sample against its group (a rank, a group-relative score); every other reward scores per sample.
+
 A function that raises fails the step with its own message and the path (a user's bug is not retried); a
 return of the wrong length or with non-numbers is an error naming the reward. Non-finite scores are the
 ensemble's rule, as for every model (`reward.base.check_scores`).
@@ -46,6 +49,8 @@ class PythonRewardSpec(StrictModel):
                                      "constructor's, or passed to the function on every call")
     images: Literal["uint8", "pil"] = Field("uint8", description="how images reach the function: uint8 arrays "
                                             "[H, W, C] or PIL images")
+    groupwise: bool = Field(False, description="call the function once per prompt group (its samples together, "
+                            "e.g. for rank-based rewards), not once per batch of unrelated samples")
 
     @field_validator("function")
     @classmethod
@@ -134,7 +139,7 @@ class PythonReward:
 
             def call(images: list[Any], prompts: list[Any]) -> Any:
                 return target(images, prompts, **settings)
-        return cls(spec.name, spec.function, call, spec.images)
+        return (GroupwisePythonReward if spec.groupwise else cls)(spec.name, spec.function, call, spec.images)
 
     def score(self, samples: Tensor, cond: Tensor | list[str]) -> Tensor:
         images, prompts = to_images(samples, self.images), to_prompts(cond)
@@ -148,6 +153,20 @@ class PythonReward:
     def health_probe(self) -> None:
         """None: a user's function is scored on real batches only (a probe input might not suit it)."""
         return None
+
+
+class GroupwisePythonReward(PythonReward):
+    """A user's function called once per prompt group (`groupwise: true`); `reward.base.GroupwiseRewardModel`."""
+
+    def score_groups(self, samples: Tensor, cond: Tensor | list[str], group: Tensor | None) -> Tensor:
+        """Each group's scores from one call with its samples, in batch order (None: one group)."""
+        if group is None:
+            return self.score(samples, cond)
+        prompts, out = to_prompts(cond), torch.empty(samples.shape[0], dtype=torch.float32)
+        for g in dict.fromkeys(group.tolist()):  # groups in order of first appearance
+            idx = torch.nonzero(group == g).flatten()
+            out[idx] = self.score(samples[idx], [prompts[i] for i in idx.tolist()])
+        return out
 
 
 def as_scores(name: str, function: str, out: Any, batch: int) -> Tensor:

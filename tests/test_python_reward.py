@@ -24,6 +24,10 @@ def brightness(images, prompts, scale=1.0):
     """Mean pixel value in [0, 1], times `scale`."""
     return [scale * float(np.asarray(im, dtype=np.float64).mean()) / 255 for im in images]
 
+def sized_brightness(images, prompts):
+    """Called on one prompt group: the group's size plus each image's brightness in [0, 1]."""
+    return [len(images) + float(np.asarray(im, dtype=np.float64).mean()) / 255 for im in images]
+
 def echo_labels(images, prompts):
     return [float(p) for p in prompts]
 
@@ -108,16 +112,19 @@ def test_a_path_that_does_not_resolve_fails_when_the_config_loads(rewards_file, 
 def test_a_reward_function_trains_through_the_serve_ensemble_exactly_as_in_one_process(rewards_file, tmp_path):
     """The digits run trained on a user's brightness reward (its own column, weighted 1:1 with the CNN
     classifier): the Ray runtime (the function inside a Serve replica) and the local runtime give the same
-    metrics and evaluations, bit for bit, and the function's column is logged every step."""
-    fn = f"{rewards_file}:brightness"
+    metrics and evaluations, bit for bit, and the function's column is logged every step. A groupwise function
+    is called once per prompt group, in the Serve replica as in one process."""
+    fn, grouped = f"{rewards_file}:brightness", f"{rewards_file}:sized_brightness"
     overrides = [*SMOKE_SHORT, "run.steps=2", "run.checkpoint_every=2", "run.eval_every=2",
-                 f"testbed.reward.functions=[{{name: bright, function: '{fn}'}}]",
+                 f"testbed.reward.functions=[{{name: bright, function: '{fn}'}}, "
+                 f"{{name: grouped, function: '{grouped}', groupwise: true}}]",
                  "testbed.reward.train_on=weighted",
-                 "testbed.reward.weighting={weights: {cnn: 1.0, bright: 1.0}}"]
+                 "testbed.reward.weighting={weights: {cnn: 1.0, bright: 1.0, grouped: 0.5}}"]
     local = train(CONFIG_DIR / "smoke.yaml", [f"run.run_dir={tmp_path / 'local'}", "run.runtime=local", *overrides])
     on_ray = train(CONFIG_DIR / "smoke.yaml", [f"run.run_dir={tmp_path / 'ray'}", *overrides])
     rows = read_metrics(local.run_dir)
     assert [r["step"] for r in rows] == [1, 2] and all(0 < r["reward/bright"] < 1 for r in rows)
+    assert all(4 < r["reward/grouped"] < 5 for r in rows)  # called per group of 4 (sampler.group_size), not per batch
     assert computed_metrics(rows) == computed_metrics(read_metrics(on_ray.run_dir))
     assert json.loads((local.run_dir / "evals.json").read_text()) == json.loads((on_ray.run_dir / "evals.json")
                                                                                  .read_text())
@@ -142,3 +149,20 @@ def test_on_text_to_image_a_function_is_a_member_of_the_image_ensemble_beside_th
     want = model(rewards_file, "brightness").score(images, ["a cat", "a dog"])
     assert scores.names == ["jpeg_compressibility", "bright"] and torch.equal(scores.reward, want)
     assert torch.equal(scores.scores[:, 1], want) and bool((want > 0).all())
+
+
+def test_a_groupwise_function_is_called_once_per_prompt_group_with_that_groups_samples(rewards_file):
+    """Groups interleaved in the batch: each call gets one group's samples in batch order; no group ids: one call
+    with the whole batch; a pointwise function ignores the groups (`reward.base.score_model`, which the in-process
+    ensemble and each Serve replica call)."""
+    from steadyrl.reward.base import score_model
+
+    reward = model(rewards_file, "sized_brightness", groupwise=True)
+    images = torch.linspace(-1, 1, 5 * 1 * 2 * 2).reshape(5, 1, 2, 2)
+    group = torch.tensor([7, 3, 7, 7, 3])
+    got = score_model(reward, images, torch.arange(5), group)
+    alone = model(rewards_file, "brightness").score(images, torch.arange(5))
+    assert torch.allclose(got, alone + torch.tensor([3.0, 2.0, 3.0, 3.0, 2.0]), atol=1e-6, rtol=0)
+    assert torch.allclose(score_model(reward, images, torch.arange(5)), alone + 5, atol=1e-6, rtol=0)
+    pointwise = model(rewards_file, "sized_brightness")
+    assert torch.allclose(score_model(pointwise, images, torch.arange(5), group), alone + 5, atol=1e-6, rtol=0)

@@ -16,7 +16,7 @@ from fastapi import FastAPI
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
-from steadyrl.reward.base import check_scores
+from steadyrl.reward.base import GroupwiseRewardModel, check_scores, score_model
 from steadyrl.reward.ensemble import EnsembleScores, combine_scores
 from steadyrl.reward.factory import build_reward_model, parse_reward_spec
 from steadyrl.reward.verifiers import VerifierReward
@@ -52,13 +52,17 @@ class RewardModelDeployment:
         self._score_batch.set_max_batch_size(max_batch_size)
         self._score_batch.set_batch_wait_timeout_s(batch_wait_timeout_s)
 
-    async def score(self, samples: torch.Tensor, cond: torch.Tensor | Sequence[str]) -> torch.Tensor:
+    async def score(self, samples: torch.Tensor, cond: torch.Tensor | Sequence[str],
+                    group: torch.Tensor | None = None) -> torch.Tensor:
         """Scores [B] of one call: `cond` is class ids / prompt token ids [B,...] or a list of B prompt strings.
-        Checked per call (an error fails only this call), then batched with concurrent calls."""
+        Checked per call (an error fails only this call), then batched with concurrent calls; a groupwise model
+        scores the call's prompt groups (`group`) and is never batched with other calls."""
         n = len(cond)
         if n != samples.shape[0]:
             raise ValueError(f"reward model {self.name!r}: cond has {n} entries for {samples.shape[0]} samples")
         cond = list(cond) if _is_prompts(cond) else cond
+        if isinstance(self.model, GroupwiseRewardModel):
+            return score_model(self.model, samples, cond, group)
         if not self.batching:
             return check_scores(self.name, self.model.score(samples, cond), n)
         return await self._score_batch(samples, cond)
@@ -196,8 +200,8 @@ class RewardEnsembleIngress:
             cond = list(cond)
         if group is not None and not isinstance(group, torch.Tensor):
             group = torch.as_tensor(list(group), dtype=torch.long)
-        calls = [m.score.remote(samples, cond) for m in self.members]
-        mon = [(name, m.score.remote(samples, cond), m.correct.remote(samples, cond) if name in self.correct
+        calls = [m.score.remote(samples, cond, group) for m in self.members]
+        mon = [(name, m.score.remote(samples, cond, group), m.correct.remote(samples, cond) if name in self.correct
                 else None) for name, m in zip(self.monitor_names, self.monitors)]
         feat = None
         if with_features and self.feature_model is not None:
