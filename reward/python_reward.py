@@ -10,6 +10,10 @@ The attribute is a function, called as `fn(images, prompts, **settings)`, or a c
     prompts  list of B conditions: prompt strings (text_to_image) or class ids (digits)
     returns  B numbers, higher is better (a list, a numpy array or a tensor)
 
+For language-model testbeds (the arith family) the testbed fills in `text` (its tokenizer and task) and the call
+is `fn(completions, prompts, answers, **settings)`: B completion strings (up to the first EOS), their prompt strings
+and the prompts' reference answers (a task file's gold answer, an addition's sum; None where there is none).
+
 `groupwise: true` calls it once per prompt group, with that group's images and prompts (in batch order), so it
 can score a sample against its group (a rank, a group-relative score); every other reward scores per sample.
 
@@ -31,6 +35,7 @@ import torch
 from pydantic import Field, field_validator
 from torch import Tensor
 
+from steadyrl.reward.verifiers import VerifierReward, VerifierSpec
 from steadyrl.rollout.settings_base import StrictModel
 
 
@@ -51,6 +56,9 @@ class PythonRewardSpec(StrictModel):
                                             "[H, W, C] or PIL images")
     groupwise: bool = Field(False, description="call the function once per prompt group (its samples together, "
                             "e.g. for rank-based rewards), not once per batch of unrelated samples")
+    text: VerifierSpec | None = Field(None, description="language-model testbeds fill this in (not a user "
+                                      "setting): the tokenizer that decodes completions and the task whose reference "
+                                      "answers the function gets")
 
     @field_validator("function")
     @classmethod
@@ -122,8 +130,10 @@ def to_prompts(cond: Tensor | list[str]) -> list[Any]:
 class PythonReward:
     """The `RewardModel` over a user's function or class (module docstring)."""
 
-    def __init__(self, name: str, function: str, call: Callable[..., Any], images: Literal["uint8", "pil"] = "uint8"):
-        self.name, self.function, self.call, self.images = name, function, call, images
+    def __init__(self, name: str, function: str, call: Callable[..., Any], images: Literal["uint8", "pil"] = "uint8",
+                 text: VerifierReward | None = None):
+        """`text`: for a language model, the decoder and reference answers (the verifier of the testbed's task)."""
+        self.name, self.function, self.call, self.images, self.text = name, function, call, images, text
 
     @classmethod
     def from_spec(cls, spec: PythonRewardSpec) -> "PythonReward":
@@ -137,18 +147,39 @@ class PythonReward:
         else:
             settings = dict(spec.settings)
 
-            def call(images: list[Any], prompts: list[Any]) -> Any:
-                return target(images, prompts, **settings)
-        return (GroupwisePythonReward if spec.groupwise else cls)(spec.name, spec.function, call, spec.images)
+            def call(*inputs: list[Any]) -> Any:
+                return target(*inputs, **settings)
+        text = None if spec.text is None else VerifierReward.from_spec(spec.text)
+        return (GroupwisePythonReward if spec.groupwise else cls)(spec.name, spec.function, call, spec.images, text)
+
+    def inputs(self, samples: Tensor, cond: Tensor | list[str]) -> tuple[list[Any], ...]:
+        """What the function is called with: (images, prompts), or for a language model (completions, prompts,
+        answers), decoded from token ids."""
+        if self.text is None:
+            return to_images(samples, self.images), to_prompts(cond)
+        prompts = [self.text.prompt_text(p) for p in cond]
+        completions = [self.text.codec.decode(c) for c in samples]
+        return completions, prompts, [self.text.reference_answer(p) for p in cond]
 
     def score(self, samples: Tensor, cond: Tensor | list[str]) -> Tensor:
-        images, prompts = to_images(samples, self.images), to_prompts(cond)
+        return self.call_function(self.inputs(samples, cond))
+
+    def call_function(self, inputs: tuple[list[Any], ...]) -> Tensor:
         try:
-            out = self.call(images, prompts)
+            out = self.call(*inputs)
         except Exception as err:
             raise RewardFunctionError(f"reward {self.name!r} ({self.function}) raised {type(err).__name__}: "
                                       f"{err}") from err
-        return as_scores(self.name, self.function, out, len(images))
+        return as_scores(self.name, self.function, out, len(inputs[0]))
+
+    def score_items(self, prompts: list[str | list[int]], completions: list[str | list[int]]) -> tuple[Tensor, Tensor]:
+        """Text or token-id items (the arith REST route): (scores, scores): a function gives no verdict."""
+        if self.text is None:
+            raise ValueError(f"reward {self.name!r} scores images, not text")
+        c = [x if isinstance(x, str) else self.text.codec.decode(x) for x in completions]
+        p = [x if isinstance(x, str) else self.text.prompt_text(x) for x in prompts]
+        scores = self.call_function((c, p, [self.text.reference_answer(x) for x in prompts]))
+        return scores, scores
 
     def health_probe(self) -> None:
         """None: a user's function is scored on real batches only (a probe input might not suit it)."""
@@ -162,10 +193,10 @@ class GroupwisePythonReward(PythonReward):
         """Each group's scores from one call with its samples, in batch order (None: one group)."""
         if group is None:
             return self.score(samples, cond)
-        prompts, out = to_prompts(cond), torch.empty(samples.shape[0], dtype=torch.float32)
+        inputs, out = self.inputs(samples, cond), torch.empty(samples.shape[0], dtype=torch.float32)
         for g in dict.fromkeys(group.tolist()):  # groups in order of first appearance
-            idx = torch.nonzero(group == g).flatten()
-            out[idx] = self.score(samples[idx], [prompts[i] for i in idx.tolist()])
+            idx = torch.nonzero(group == g).flatten().tolist()
+            out[idx] = self.call_function(tuple([column[i] for i in idx] for column in inputs))
         return out
 
 

@@ -95,6 +95,21 @@ class VerifierReward:
         answers = None if spec.file is None else TaskAnswers(spec.file, codec)
         return cls(task=spec.task, partial_credit=spec.partial_credit, name=spec.name, codec=codec, answers=answers)
 
+    def prompt_text(self, p: Tensor | Sequence[int]) -> str:
+        """A prompt's text: its token ids decoded, left padding dropped."""
+        p = torch.as_tensor(p)
+        return self.codec.decode(p[p != self.codec.pad_id])
+
+    def reference_answer(self, prompt: Tensor | Sequence[int] | str) -> str | None:
+        """The prompt's reference answer: a task file's gold answer, an addition's sum; None where there is none
+        (a sudoku has many valid fillings; a prompt of no row)."""
+        if self.answers is not None:
+            row = self.answers.row(prompt)
+            return None if row is None else row.answer
+        text = prompt if isinstance(prompt, str) else self.prompt_text(prompt)
+        m = ADDITION_PROMPT.match("".join(text.split())) if self.task == "addition" else None
+        return None if m is None else str(int(m.group(1)) + int(m.group(2)))
+
     def _prompt(self, p: Tensor) -> str | Tensor:
         """A prompt as the verifier looks it up: token ids for a file task (its rows are keyed by ids), else text."""
         return p if self.answers is not None else self.codec.decode(p[p != self.codec.pad_id])

@@ -40,6 +40,13 @@ def short(images, prompts):
 def words(images, prompts):
     return ["high"] * len(images)
 
+def close_to_answer(completions, prompts, answers):
+    """Text: 1 for the reference answer, else minus the distance of the number to it (non-numbers: -100)."""
+    out = []
+    for c, a in zip(completions, answers):
+        out.append(float(-abs(int(c) - int(a))) if c.isdigit() and a is not None else -100.0)
+    return out
+
 class Counted:
     built = 0
 
@@ -166,3 +173,54 @@ def test_a_groupwise_function_is_called_once_per_prompt_group_with_that_groups_s
     assert torch.allclose(score_model(reward, images, torch.arange(5)), alone + 5, atol=1e-6, rtol=0)
     pointwise = model(rewards_file, "sized_brightness")
     assert torch.allclose(score_model(pointwise, images, torch.arange(5), group), alone + 5, atol=1e-6, rtol=0)
+
+
+def test_a_language_model_function_gets_the_decoded_completions_prompts_and_reference_answers(rewards_file):
+    """On arith the testbed gives the function its verifier's decoder: token ids become the completion up to the
+    first <eos> and the prompt without its padding; an addition's reference answer is its sum."""
+    from steadyrl.reward.verifiers import VerifierSpec
+    from steadyrl.rollout.arith import TOKENIZER
+
+    text = VerifierSpec()
+    reward = model(rewards_file, "close_to_answer", text=text.model_dump())
+    prompts = [TOKENIZER.encode("12+30="), [TOKENIZER.pad_id] + TOKENIZER.encode("5+7=")]
+    width = max(map(len, prompts))
+    cond = torch.tensor([[TOKENIZER.pad_id] * (width - len(p)) + p for p in prompts])
+    samples = torch.tensor([TOKENIZER.encode("42") + [TOKENIZER.eos_id, TOKENIZER.eos_id],
+                            TOKENIZER.encode("9") + [TOKENIZER.eos_id] + TOKENIZER.encode("99")])
+    assert reward.inputs(samples, cond) == (["42", "9"], ["12+30=", "5+7="], ["42", "12"])
+    assert reward.score(samples, cond).tolist() == [0.0, -3.0]
+    assert reward.score_items(["12+30=", "5+7="], ["41", "x"])[0].tolist() == [-1.0, -100.0]
+
+
+def test_on_arith_a_function_is_a_member_beside_the_verifier_and_can_be_what_trains(rewards_file):
+    from steadyrl.services.testbeds import build_testbed
+
+    fn = f"{rewards_file}:close_to_answer"
+    cfg = load_config(CONFIG_DIR / "arith-grpo.yaml", [f"testbed.functions=[{{name: close, function: '{fn}'}}]",
+                                                     "testbed.train_on=close"])
+    spec = build_testbed(cfg).reward_spec()
+    assert spec.member_names() == ["verifier", "close"] and spec.train_on == "close"
+    assert spec.members[1].text == spec.members[0]  # decodes and answers as the verifier does
+    for bad, needle in [(["testbed.train_on=nothing"], r"testbed.train_on='nothing' must be"),
+                        ([f"testbed.functions=[{{name: exact, function: '{fn}'}}]"], r"not 'verifier' or 'exact'")]:
+        with pytest.raises(ConfigError, match=needle):
+            load_config(CONFIG_DIR / "arith-grpo.yaml", bad)
+
+
+def test_an_arith_run_trained_on_a_function_is_the_same_through_serve_and_in_one_process(rewards_file, tmp_path):
+    """The dLLM trained on the verifier and a user's text function (weighted 1:1): the Ray runtime (the function in
+    a Serve replica, fed token ids) and the local runtime give the same metrics and evaluations, bit for bit."""
+    fn = f"{rewards_file}:close_to_answer"
+    overrides = ["run.steps=2", "run.eval_every=2", "run.checkpoint_every=2", "run.progress=false",
+                 "testbed.prompts_per_step=8", "testbed.eval_problems=40", "serve.port=0",
+                 f"testbed.functions=[{{name: close, function: '{fn}'}}]", "testbed.train_on=weighted",
+                 "testbed.weighting={weights: {verifier: 1.0, close: 1.0}}"]
+    config = CONFIG_DIR / "arith-grpo.yaml"
+    local = train(config, [f"run.run_dir={tmp_path / 'local'}", "run.runtime=local", *overrides])
+    on_ray = train(config, [f"run.run_dir={tmp_path / 'ray'}", *overrides])
+    rows = read_metrics(local.run_dir)
+    assert [r["step"] for r in rows] == [1, 2] and all(r["reward/close"] <= 0 for r in rows)
+    assert computed_metrics(rows) == computed_metrics(read_metrics(on_ray.run_dir))
+    assert json.loads((local.run_dir / "evals.json").read_text()) == json.loads((on_ray.run_dir / "evals.json")
+                                                                                 .read_text())

@@ -19,6 +19,7 @@ from ray.serve.handle import DeploymentHandle
 from steadyrl.reward.base import GroupwiseRewardModel, check_scores, score_model
 from steadyrl.reward.ensemble import EnsembleScores, combine_scores
 from steadyrl.reward.factory import build_reward_model, parse_reward_spec
+from steadyrl.reward.python_reward import PythonReward
 from steadyrl.reward.verifiers import VerifierReward
 from steadyrl.reward.weighting import RewardWeighting
 from steadyrl.services.serving.errors import HEALTH_TIMEOUT_S, ModelsNotAnswering
@@ -84,7 +85,7 @@ class RewardModelDeployment:
 
     async def score_items(self, prompts: list[Any], completions: list[Any]) -> tuple[torch.Tensor, torch.Tensor]:
         """Verifiers: (scores, exact 0/1) of text or token-id items (REST, arith)."""
-        if not isinstance(self.model, VerifierReward):
+        if not isinstance(self.model, (VerifierReward, PythonReward)):
             raise ValueError(f"reward model {self.name!r} scores images, not text")
         return self.model.score_items(prompts, completions)
 

@@ -8,6 +8,9 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal
 from pydantic import Field, model_validator
 from torch import Tensor, nn
 
+from steadyrl.reward.config import check_weighting
+from steadyrl.reward.python_reward import PythonRewardSpec
+from steadyrl.reward.weighting import RewardWeighting
 from steadyrl.rollout.lora import LoRAConfig
 from steadyrl.rollout.masked_lm import MaskedLMConfig
 from steadyrl.rollout.task_file_dataset import FileTaskSettings
@@ -58,6 +61,13 @@ class ArithSettings(TestbedSettings):
     train_seed: int = Field(202, description="seed of the RL problems (pre-training and eval use others)")
     eval_seed: int = Field(303, description="seed of the fixed held-out evaluation problems")
     eval_problems: int = Field(200, ge=1, description="held-out problems per evaluation (greedy decoding)")
+    functions: list[PythonRewardSpec] = Field(
+        default_factory=list, description="your own reward functions beside the verifier (reward/python_reward.py: "
+        "called with the completions, their prompts and reference answers as text)")
+    train_on: str = Field("verifier", description="what trains: 'verifier', a function's name, 'mean' of them all, "
+                          "or 'weighted' (`weighting`); the exact-match verdict always watches")
+    weighting: RewardWeighting | None = Field(None, description="train_on 'weighted': the verifier's and functions' "
+                                              "weights and normalisation (reward/weighting.py)")
 
     sampler_kinds: ClassVar[tuple[str, ...]] = ("masked_diffusion",)
     no_reward_backprop: ClassVar[str | None] = ("its reward is an exact verifier of decoded text, which has no "
@@ -76,6 +86,17 @@ class ArithSettings(TestbedSettings):
             raise ValueError(f"testbed.file is set but testbed.task={self.task!r}: set testbed.task=file")
         if self.file is not None:
             self.file.rows()  # a missing file, or a row without its fields, fails here naming the line and field
+        return self
+
+    @model_validator(mode="after")
+    def _rewards(self) -> "ArithSettings":
+        names = ["verifier", *[f.name for f in self.functions]]
+        clash = sorted({n for n in names if names.count(n) > 1} | ({"exact"} & set(names)))
+        if clash:
+            raise ValueError(f"testbed.functions: names must be unique and not 'verifier' or 'exact', got {clash}")
+        check_weighting(self.train_on, self.weighting, names, ["exact"])
+        if self.weighting is None and self.train_on != "mean" and self.train_on not in names:
+            raise ValueError(f"testbed.train_on={self.train_on!r} must be 'mean', 'weighted' or one of {names}")
         return self
 
     @model_validator(mode="after")

@@ -226,8 +226,9 @@ class ArithTaskTestbed(Testbed):
         return [] if a.pretrained is None else [("testbed.pretrained", a.pretrained)]
 
     def reward_spec(self) -> EnsembleSpec:
-        """The task's verifier (partial credit if asked) trains; an exact-match verifier watches, and its 0/1
-        verdict is the held-out accuracy."""
+        """The task's verifier (partial credit if asked) and the user's functions (decoding with the verifier's
+        tokenizer) score; `train_on` trains; an exact-match verifier watches, and its 0/1 verdict is the held-out
+        accuracy."""
         from steadyrl.reward.verifiers import VerifierSpec
 
         a = self.settings
@@ -235,8 +236,9 @@ class ArithTaskTestbed(Testbed):
                                 trust_remote_code=a.trust_remote_code, eos_token_id=a.eos_token_id,
                                 pad_token_id=a.pad_token_id)
         exact = verifier.model_copy(update={"partial_credit": False, "name": "exact"})
-        return EnsembleSpec(members=[verifier], monitors=[exact], train_on=verifier.name,
-                            feature_model=verifier.name, correct=[exact.name])
+        functions = [f.model_copy(update={"text": verifier}) for f in a.functions]
+        return EnsembleSpec(members=[verifier, *functions], monitors=[exact], train_on=a.train_on,
+                            feature_model=verifier.name, correct=[exact.name], weighting=a.weighting)
 
     @property
     def gold_name(self) -> str:
