@@ -224,3 +224,27 @@ def test_an_arith_run_trained_on_a_function_is_the_same_through_serve_and_in_one
     assert computed_metrics(rows) == computed_metrics(read_metrics(on_ray.run_dir))
     assert json.loads((local.run_dir / "evals.json").read_text()) == json.loads((on_ray.run_dir / "evals.json")
                                                                                  .read_text())
+
+
+def test_an_arith_app_scores_text_items_with_a_function_over_rest(rewards_file, serve_port):
+    """The REST route of an arith reward app with a function member (real Serve over HTTP on 127.0.0.1): text
+    items reach the function with their reference answers, and it trains the app's reward."""
+    import httpx
+    from ray import serve
+
+    from steadyrl.services.config import ServeConfig
+    from steadyrl.services.serving import deploy_reward_app
+    from steadyrl.services.testbeds.arith.masked import ArithSettings
+    from tests.helpers import make_testbed
+
+    settings = ArithSettings(functions=[{"name": "close", "function": f"{rewards_file}:close_to_answer"}],
+                             train_on="close")
+    deploy_reward_app(make_testbed(settings), ServeConfig(), name="py-arith", route_prefix="/py-arith")
+    try:
+        body = {"kind": "arith", "samples": [{"prompt": "07+45=", "completion": "50"},
+                                             {"prompt": "1+1=", "completion": "2"}]}
+        out = httpx.post(f"http://127.0.0.1:{serve_port}/py-arith/v1/score", json=body, timeout=120).json()
+        assert out["names"] == ["verifier", "close"] and out["reward"] == [-2.0, 0.0]
+        assert out["monitors"]["exact_correct"] == [0.0, 1.0]
+    finally:
+        serve.delete("py-arith")
