@@ -21,7 +21,7 @@ $(VENV)/.installed: $(VENV)/bin/python pyproject.toml
 
 # the HTML report's browser test drives Debian's chromium (apt-get as root, as in CI): no browser download
 $(VENV)/.installed-test: $(VENV)/.installed
-	$(PY) -m pip install --quiet -e ".[test,test-report]"
+	$(PY) -m pip install --quiet -e ".[test,test-report,ocr]"
 	command -v chromium >/dev/null || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive \
 		apt-get install -y -qq chromium >/dev/null) || echo "no chromium: the report's browser test will fail" >&2
 	touch $@

@@ -28,18 +28,37 @@ class GroupwiseRewardModel(RewardModel, Protocol):
     def score_groups(self, samples: Tensor, cond: Tensor, group: Tensor | None) -> Tensor: ...
 
 
+@runtime_checkable
+class TextItemsModel(Protocol):
+    """A reward model that also scores text or token-id items (the arith REST route): (scores, 0/1 or scores)."""
+
+    name: str
+
+    def score_items(self, prompts: list, completions: list) -> tuple[Tensor, Tensor]: ...
+
+
+class UserRewardModel:
+    """A reward model whose scores come from the user's code (a function, a remote scorer). A sample it cannot
+    score may come back non-finite: it is kept as NaN, and the learner skips it and counts it
+    (`reward/nonfinite_skipped`) when it is in the training reward. A built-in model's non-finite score is a bug
+    and fails the step."""
+
+
 def score_model(model: RewardModel, samples: Tensor, cond: Tensor, group: Tensor | None = None) -> Tensor:
     """One model's scores [B], checked: a groupwise model sees the prompt groups, any other scores per sample."""
     if isinstance(model, GroupwiseRewardModel):
-        return check_scores(model.name, model.score_groups(samples, cond, group), samples.shape[0])
-    return check_scores(model.name, model.score(samples, cond), samples.shape[0])
+        return check_scores(model, model.score_groups(samples, cond, group), samples.shape[0])
+    return check_scores(model, model.score(samples, cond), samples.shape[0])
 
 
-def check_scores(name: str, scores: Tensor, batch: int) -> Tensor:
-    """Reject wrong shapes and non-finite rewards with an error naming the model."""
+def check_scores(model: RewardModel, scores: Tensor, batch: int) -> Tensor:
+    """Reject wrong shapes with an error naming the model; non-finite scores too, except a `UserRewardModel`'s,
+    which come back as NaN (+-inf included: a sample it could not score, not a very good or bad one)."""
     if scores.shape != (batch,):
-        raise ValueError(f"reward model {name!r} returned shape {tuple(scores.shape)}, expected ({batch},)")
+        raise ValueError(f"reward model {model.name!r} returned shape {tuple(scores.shape)}, expected ({batch},)")
     bad = ~scores.isfinite()
-    if bool(bad.any()):
-        raise ValueError(f"reward model {name!r} returned {int(bad.sum())} non-finite scores")
-    return scores
+    if not bool(bad.any()):
+        return scores
+    if isinstance(model, UserRewardModel):
+        return scores.masked_fill(bad, float("nan"))
+    raise ValueError(f"reward model {model.name!r} returned {int(bad.sum())} non-finite scores")

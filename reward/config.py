@@ -1,7 +1,7 @@
 """Reward settings and the factory that builds the named reward models.
 
 `RewardConfig` is the digits testbed's classifier ensemble with its gold classifier; `ImageRewardConfig`
-the text-to-image testbed's models (JPEG, CLIP score, aesthetic, preference), some of them monitor-only.
+the text-to-image testbed's models (JPEG, CLIP score, aesthetic, preference, OCR), some of them monitor-only.
 """
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from steadyrl.reward.base import RewardModel
 from steadyrl.reward.classifiers import ClassifierSpec, DigitClassifierReward, load_classifier
 from steadyrl.reward.ensemble_spec import EnsembleSpec
 from steadyrl.reward.factory import JpegSpec, RewardSpec, build_reward_model
-from steadyrl.reward.python_reward import PythonRewardSpec
+from steadyrl.reward.user_rewards import UserRewardSpec
 from steadyrl.reward.weighting import WEIGHTED, RewardWeighting
 from steadyrl.rollout.settings_base import StrictModel
 
@@ -41,9 +41,10 @@ class RewardConfig(StrictModel):
     members: list[ClassifierSpec] = Field(default_factory=_default_members)
     gold: ClassifierSpec = Field(default_factory=_default_gold)
     jpeg: bool = Field(False, description="add the JPEG-compressibility reward as a member")
-    functions: list[PythonRewardSpec] = Field(
-        default_factory=list, description="your own reward functions as members beside the classifiers "
-        "(reward/python_reward.py: called with the B images as uint8 arrays and their class ids)")
+    functions: list[UserRewardSpec] = Field(
+        default_factory=list, description="your own rewards as members beside the classifiers: functions (kind "
+        "python, reward/python_reward.py: called with the B images as uint8 arrays and their class ids) or remote "
+        "scorers (kind http, reward/http_reward.py)")
     train_on: str = Field("cnn", description="member name, 'mean' for the ensemble mean, or 'weighted' (`weighting`)")
     feature_model: str = Field("cnn", description="member whose features measure diversity")
     weighting: RewardWeighting | None = Field(
@@ -52,7 +53,7 @@ class RewardConfig(StrictModel):
     min_proxy_accuracy: float = Field(0.9, ge=0, le=1)
     min_gold_accuracy: float = Field(0.97, ge=0, le=1)
 
-    def member_specs(self) -> list[ClassifierSpec | JpegSpec | PythonRewardSpec]:
+    def member_specs(self) -> list[RewardSpec]:
         """The ensemble members' specs, in column order (`reward.factory` builds each)."""
         return [*self.members, *([JpegSpec()] if self.jpeg else []), *self.functions]
 
@@ -87,7 +88,8 @@ def check_weighting(train_on: str, weighting: RewardWeighting | None, trained: l
         weighting.check_names(trained, monitors)
 
 
-IMAGE_KINDS = ("jpeg", "clip_score", "aesthetic", "preference", "python")  # score images [B,3,H,W] given B prompts
+# the kinds that score images [B,3,H,W] given B prompts
+IMAGE_KINDS = ("jpeg", "clip_score", "aesthetic", "preference", "python", "http", "ocr")
 FEATURE_KINDS = ("clip_score", "aesthetic", "preference")  # CLIP-based: `features` are CLIP image embeddings
 
 

@@ -35,6 +35,13 @@ class EnsembleScores:
     weighting: RewardWeighting | None = None
 
 
+def finite_mean(x: Tensor) -> float:
+    """The mean of the finite entries (NaN if none): a user's reward that could not score a sample (NaN) leaves
+    the logged means over the rest; with every entry finite this is `x.mean()`, bit for bit."""
+    finite = x.isfinite()
+    return float(x.mean() if bool(finite.all()) else x[finite].mean())
+
+
 def normalised_ranks(scores: Tensor, group: Tensor) -> Tensor:
     """[B,K] ranks of each sample within its group under each model, scaled to [0, 1]."""
     out = torch.zeros_like(scores, dtype=torch.float64)

@@ -6,7 +6,7 @@ from typing import Any
 from torch import Tensor
 
 from steadyrl.reward.diversity import mean_pairwise_distance, nearest_neighbour_distance
-from steadyrl.reward.ensemble import EnsembleScores
+from steadyrl.reward.ensemble import EnsembleScores, finite_mean
 
 
 def eval_summary(cond: Tensor, group: Tensor, scores: EnsembleScores, gold_name: str,
@@ -18,8 +18,8 @@ def eval_summary(cond: Tensor, group: Tensor, scores: EnsembleScores, gold_name:
     return {
         "held_out": float(correct.mean()),
         "held_out_per_class": [float(correct[cond == c].mean()) for c in range(num_classes)],
-        "proxy_mean": float(scores.reward.mean()),
-        "ensemble_mean": float(scores.mean.mean()),
+        "proxy_mean": finite_mean(scores.reward),
+        "ensemble_mean": finite_mean(scores.mean),
         "diversity_pairwise": mean_pairwise_distance(scores.features, group),
         "diversity_nn": float(nearest_neighbour_distance(scores.features, group).mean()),
         "n_samples": int(cond.shape[0]),

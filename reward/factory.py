@@ -12,6 +12,10 @@ model scores the same whether it runs in a benchmark or behind REST. A spec's `k
     preference   human preference in PickScore's form, exp(logit_scale) * cos (reward/preference.py)
     python       a user's function or class by import path, called on uint8 images and prompts
                  (reward/python_reward.py)
+    ocr          text rendering, 1 - min(edit distance, |t|) / |t| between the prompt's quoted text t and the
+                 text OCR reads (Flow-GRPO's; reward/ocr_reward.py, the `ocr` extra)
+    http         a remote scorer: a steadyrl reward service, a flow_grpo reward server or an OpenAI-compatible
+                 judge (reward/http_reward.py)
 
 The image-text kinds load a transformers CLIPModel by hub id or local directory (`model`) and score
 images [B,3,H,W] in [-1, 1] against a list of B prompts (reward/clip_models.py).
@@ -25,6 +29,8 @@ from pydantic import Discriminator, Field, Tag, TypeAdapter
 from steadyrl.reward.base import RewardModel
 from steadyrl.reward.classifiers import ClassifierSpec
 from steadyrl.reward.clip_models import DType
+from steadyrl.reward.http_reward import HttpRewardSpec
+from steadyrl.reward.ocr_reward import OcrSpec
 from steadyrl.reward.python_reward import PythonRewardSpec
 from steadyrl.reward.verifiers import VerifierSpec
 from steadyrl.rollout.settings_base import StrictModel
@@ -101,7 +107,8 @@ RewardSpec = Annotated[
     Union[Annotated[ClassifierSpec, Tag("classifier")], Annotated[JpegSpec, Tag("jpeg")],
           Annotated[VerifierSpec, Tag("verifier")], Annotated[ClipScoreSpec, Tag("clip_score")],
           Annotated[AestheticSpec, Tag("aesthetic")], Annotated[PreferenceSpec, Tag("preference")],
-          Annotated[PythonRewardSpec, Tag("python")]],
+          Annotated[PythonRewardSpec, Tag("python")], Annotated[HttpRewardSpec, Tag("http")],
+          Annotated[OcrSpec, Tag("ocr")]],
     Discriminator("kind"),
 ]
 _SPEC = TypeAdapter(RewardSpec)
@@ -144,4 +151,12 @@ def build_reward_model(spec: RewardSpec | dict[str, Any]) -> RewardModel:
         from steadyrl.reward.python_reward import PythonReward
 
         return PythonReward.from_spec(spec)
+    if isinstance(spec, HttpRewardSpec):
+        from steadyrl.reward.http_reward import HttpReward
+
+        return HttpReward.from_spec(spec)
+    if isinstance(spec, OcrSpec):
+        from steadyrl.reward.ocr_reward import OcrReward
+
+        return OcrReward.from_spec(spec)
     raise ValueError(f"unknown reward model spec {spec!r}")

@@ -18,8 +18,9 @@ and the prompts' reference answers (a task file's gold answer, an addition's sum
 can score a sample against its group (a rank, a group-relative score); every other reward scores per sample.
 
 A function that raises fails the step with its own message and the path (a user's bug is not retried); a
-return of the wrong length or with non-numbers is an error naming the reward. Non-finite scores are the
-ensemble's rule, as for every model (`reward.base.check_scores`).
+return of the wrong length or with non-numbers is an error naming the reward. A non-finite score (NaN, inf) marks
+a sample the function could not score: it is kept as NaN, and a sample whose training reward is NaN is skipped and
+counted (`reward/nonfinite_skipped`), never trained on (`reward.base.UserRewardModel`).
 """
 from __future__ import annotations
 
@@ -35,6 +36,7 @@ import torch
 from pydantic import Field, field_validator
 from torch import Tensor
 
+from steadyrl.reward.base import UserRewardModel
 from steadyrl.reward.verifiers import VerifierReward, VerifierSpec
 from steadyrl.rollout.settings_base import StrictModel
 
@@ -127,7 +129,7 @@ def to_prompts(cond: Tensor | list[str]) -> list[Any]:
     return cond.tolist() if isinstance(cond, Tensor) else list(cond)
 
 
-class PythonReward:
+class PythonReward(UserRewardModel):
     """The `RewardModel` over a user's function or class (module docstring)."""
 
     def __init__(self, name: str, function: str, call: Callable[..., Any], images: Literal["uint8", "pil"] = "uint8",

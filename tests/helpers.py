@@ -9,8 +9,9 @@ from __future__ import annotations
 import json
 import threading
 import time
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -225,3 +226,30 @@ def tiny_sd3_nft_learner(tmp_path: Path, settings: Any) -> tuple[Any, Any]:
     learner = build_deepspeed_learner(policy, sampler, settings,
                                       LearnerConfig(lr=1e-2, micro_batch_size=6, inner_epochs=1))
     return learner, batch
+
+
+@contextmanager
+def serving(app: Any) -> Iterator[str]:
+    """An ASGI app (a FastAPI scorer) served by uvicorn on 127.0.0.1 in a thread; yields its base URL."""
+    import uvicorn
+
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    wait_for(lambda: server.started or not thread.is_alive(), "the test server to start", timeout_s=30)
+    assert server.started, "the test server did not start"
+    port = server.servers[0].sockets[0].getsockname()[1]
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
+
+
+def free_port() -> int:
+    """A port on 127.0.0.1 that nothing listens on (bound and released)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

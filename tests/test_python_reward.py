@@ -28,6 +28,10 @@ def sized_brightness(images, prompts):
     """Called on one prompt group: the group's size plus each image's brightness in [0, 1]."""
     return [len(images) + float(np.asarray(im, dtype=np.float64).mean()) / 255 for im in images]
 
+def first_unscored(images, prompts):
+    """Called per group: NaN for the group's first image (one it could not score), brightness for the rest."""
+    return [float("nan")] + [float(np.asarray(im, dtype=np.float64).mean()) / 255 for im in images[1:]]
+
 def echo_labels(images, prompts):
     return [float(p) for p in prompts]
 
@@ -248,3 +252,20 @@ def test_an_arith_app_scores_text_items_with_a_function_over_rest(rewards_file, 
         assert out["monitors"]["exact_correct"] == [0.0, 1.0]
     finally:
         serve.delete("py-arith")
+
+
+def test_samples_a_function_cannot_score_are_skipped_and_counted_through_serve_as_in_one_process(rewards_file,
+                                                                                               tmp_path):
+    """A groupwise function returns NaN for the first sample of each of the 10 prompt groups: weighted into the
+    training reward, those 10 samples per step are skipped and counted (reward/nonfinite_skipped), the function's
+    logged mean is over the samples it scored, and the Ray runtime matches the local one bit for bit."""
+    overrides = [*SMOKE_SHORT, "run.steps=2", "run.checkpoint_every=2", "run.eval_every=2",
+                 f"testbed.reward.functions=[{{name: partial, function: '{rewards_file}:first_unscored', "
+                 "groupwise: true}]", "testbed.reward.train_on=weighted",
+                 "testbed.reward.weighting={weights: {cnn: 1.0, partial: 1.0}}"]
+    local = train(CONFIG_DIR / "smoke.yaml", [f"run.run_dir={tmp_path / 'local'}", "run.runtime=local", *overrides])
+    on_ray = train(CONFIG_DIR / "smoke.yaml", [f"run.run_dir={tmp_path / 'ray'}", *overrides])
+    rows = read_metrics(local.run_dir)
+    assert [r["reward/nonfinite_skipped"] for r in rows] == [10.0, 10.0]
+    assert all(0 < r["reward/partial"] < 1 and np.isfinite(r["reward/train_mean"]) for r in rows)
+    assert computed_metrics(rows) == computed_metrics(read_metrics(on_ray.run_dir))

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from steadyrl.reward.base import check_scores
+from steadyrl.reward.base import UserRewardModel, check_scores
 from steadyrl.reward.classifiers import load_classifier
 from steadyrl.reward.config import RewardConfig, build_reward_models
 from steadyrl.reward.diversity import mean_pairwise_distance, nearest_neighbour_distance
@@ -105,11 +105,18 @@ def test_in_process_ensemble_scores_real_digits(models):
     assert float(out.uncertainty.max()) > 0  # the members do disagree on some real digits
 
 
-def test_non_finite_scores_are_an_error_naming_the_model():
+def test_a_built_in_models_non_finite_scores_are_an_error_naming_it_and_a_users_become_nan():
+    proxy = JpegCompressibilityReward(name="proxy")
     with pytest.raises(ValueError, match="'proxy' returned 1 non-finite"):
-        check_scores("proxy", torch.tensor([0.1, float("nan")]), 2)
+        check_scores(proxy, torch.tensor([0.1, float("nan")]), 2)
     with pytest.raises(ValueError, match="shape"):
-        check_scores("proxy", torch.zeros(3), 2)
+        check_scores(proxy, torch.zeros(3), 2)
+
+    class Users(UserRewardModel):
+        name = "mine"
+
+    kept = check_scores(Users(), torch.tensor([0.1, float("inf"), float("nan"), -float("inf")]), 4)
+    assert kept[0] == 0.1 and kept[1:].isnan().all()
 
 
 def test_diversity_nearest_neighbour_within_groups():

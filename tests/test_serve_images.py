@@ -155,37 +155,45 @@ def test_deployment_health_check_and_info_for_each_kind(cfg):
 def test_every_kinds_health_probe_scores_finitely_and_a_nan_score_fails_check_health(tiny, tmp_path):
     """Each kind `build_reward_model` builds names its own probe (`RewardModel.health_probe`): one input its model
     scores to one finite value, or None for the verifier (a pure function of text) and a user's function (an input
-    of ours might not suit it). check_health scores that probe and nothing else: a model whose scores turn NaN
-    fails it naming the model; the verifier and a user's function are never scored by it."""
+    of ours might not suit it; a remote scorer, probed when it is built). check_health scores that probe and nothing
+    else: a model whose scores turn NaN fails it naming the model; the verifier and a user's function or remote
+    scorer are never scored by it."""
     from typing import get_args
+
+    from fastapi import FastAPI
 
     from steadyrl.reward.config import RewardConfig
     from steadyrl.reward.factory import PreferenceSpec, RewardSpec
+    from steadyrl.reward.http_reward import HttpRewardSpec
+    from steadyrl.reward.ocr_reward import OcrSpec
     from steadyrl.reward.python_reward import PythonRewardSpec
     from steadyrl.reward.verifiers import VerifierSpec
     from steadyrl.services.serving import RewardModelDeployment
+    from tests.helpers import serving
 
     (tmp_path / "mine.py").write_text("def score(images, prompts):\n    return [1.0] * len(images)\n")
 
     specs = [RewardConfig().member_specs()[0], JpegSpec(), VerifierSpec(), ClipScoreSpec(model=tiny["clip"]),
              AestheticSpec(model=tiny["clip"], head=tiny["head"]), PreferenceSpec(model=tiny["clip"], processor=None),
-             PythonRewardSpec(name="mine", function=f"{tmp_path / 'mine.py'}:score")]
-    kinds = [get_args(t)[0].model_fields["kind"].default for t in get_args(get_args(RewardSpec)[0])]
-    assert [s.kind for s in specs] == kinds  # every built-in kind
-    for spec in specs:
-        dep = RewardModelDeployment.func_or_class(spec.model_dump())
-        probe = dep.model.health_probe()
-        assert (probe is None) == (spec.kind in ("verifier", "python")), spec.kind
-        if probe is not None:
-            out = dep.model.score(*probe)
-            assert out.shape == (1,) and bool(out.isfinite().all()), (spec.kind, out)
-        dep.check_health()
-        dep.model.score = lambda samples, cond: torch.full((len(cond),), float("nan"))
-        if probe is None:
+             PythonRewardSpec(name="mine", function=f"{tmp_path / 'mine.py'}:score"), OcrSpec()]
+    with serving(FastAPI()) as url:  # a server to reach: the remote scorer is probed when built
+        specs.append(HttpRewardSpec(name="remote", url=url, protocol="flow_grpo", allow_pickle=True))
+        kinds = [get_args(t)[0].model_fields["kind"].default for t in get_args(get_args(RewardSpec)[0])]
+        assert sorted(s.kind for s in specs) == sorted(kinds)  # every built-in kind
+        for spec in specs:
+            dep = RewardModelDeployment.func_or_class(spec.model_dump())
+            probe = dep.model.health_probe()
+            assert (probe is None) == (spec.kind in ("verifier", "python", "http")), spec.kind
+            if probe is not None:
+                out = dep.model.score(*probe)
+                assert out.shape == (1,) and bool(out.isfinite().all()), (spec.kind, out)
             dep.check_health()
-        else:
-            with pytest.raises(RuntimeError, match=f"reward model {spec.name} returns non-finite scores"):
+            dep.model.score = lambda samples, cond: torch.full((len(cond),), float("nan"))
+            if probe is None:
                 dep.check_health()
+            else:
+                with pytest.raises(RuntimeError, match=f"reward model {spec.name} returns non-finite scores"):
+                    dep.check_health()
 
 
 def test_png_round_trip_is_exact_in_model_space():

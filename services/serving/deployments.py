@@ -16,11 +16,9 @@ from fastapi import FastAPI
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
-from steadyrl.reward.base import GroupwiseRewardModel, check_scores, score_model
+from steadyrl.reward.base import GroupwiseRewardModel, TextItemsModel, check_scores, score_model
 from steadyrl.reward.ensemble import EnsembleScores, combine_scores
 from steadyrl.reward.factory import build_reward_model, parse_reward_spec
-from steadyrl.reward.python_reward import PythonReward
-from steadyrl.reward.verifiers import VerifierReward
 from steadyrl.reward.weighting import RewardWeighting
 from steadyrl.services.serving.errors import HEALTH_TIMEOUT_S, ModelsNotAnswering
 from steadyrl.services.serving.guard import RestSettings
@@ -65,7 +63,7 @@ class RewardModelDeployment:
         if isinstance(self.model, GroupwiseRewardModel):
             return score_model(self.model, samples, cond, group)
         if not self.batching:
-            return check_scores(self.name, self.model.score(samples, cond), n)
+            return check_scores(self.model, self.model.score(samples, cond), n)
         return await self._score_batch(samples, cond)
 
     @serve.batch(max_batch_size=256, batch_wait_timeout_s=0.005)
@@ -80,12 +78,12 @@ class RewardModelDeployment:
         elif same and all(isinstance(c, torch.Tensor) for c in cond) and len({c.shape[1:] for c in cond}) == 1:
             out = self.model.score(torch.cat(samples), torch.cat(cond))
         else:
-            return [check_scores(self.name, self.model.score(s, c), n) for s, c, n in zip(samples, cond, sizes)]
-        return list(check_scores(self.name, out, sum(sizes)).split(sizes))
+            return [check_scores(self.model, self.model.score(s, c), n) for s, c, n in zip(samples, cond, sizes)]
+        return list(check_scores(self.model, out, sum(sizes)).split(sizes))
 
     async def score_items(self, prompts: list[Any], completions: list[Any]) -> tuple[torch.Tensor, torch.Tensor]:
         """Verifiers: (scores, exact 0/1) of text or token-id items (REST, arith)."""
-        if not isinstance(self.model, (VerifierReward, PythonReward)):
+        if not isinstance(self.model, TextItemsModel):
             raise ValueError(f"reward model {self.name!r} scores images, not text")
         return self.model.score_items(prompts, completions)
 

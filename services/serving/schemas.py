@@ -63,7 +63,7 @@ class ScoreResponse(BaseModel):
 
 class ModelInfo(BaseModel):
     name: str
-    kind: str = Field(description="classifier, jpeg, verifier, clip_score, aesthetic or preference")
+    kind: str = Field(description="classifier, jpeg, verifier, clip_score, aesthetic, preference, ocr, python or http")
     role: Literal["member", "monitor"] = Field(description="member: in the ensemble (its scores, mean, spread, "
                                                "uncertainty); monitor: scored and reported, never part of the reward")
     trained_on: bool = Field(description="whether the training reward comes from this model (`train_on`: one "

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from torch import Tensor, nn
 
-from steadyrl.reward.ensemble import EnsembleScores, RewardEnsemble
+from steadyrl.reward.ensemble import EnsembleScores, RewardEnsemble, finite_mean
 from steadyrl.reward.ensemble_spec import EnsembleSpec
 from steadyrl.rollout.batch import RolloutBatch
 from steadyrl.services.testbeds.rest import RestProfile
@@ -66,8 +66,11 @@ class Testbed(ABC):
 
     def require_models(self, rewards_only: bool = False) -> None:
         """A `ConfigError` naming each model (with `rewards_only`: each reward model) that is neither a local
-        directory nor in the hub cache (online: nor served by the hub), raised before Ray starts and before a run
-        folder exists; otherwise a loader fails later, in an actor, with a long traceback."""
+        directory nor in the hub cache (online: nor served by the hub), or a remote scorer (`kind: http`) that no
+        server of its protocol answers for, raised before Ray starts and before a run folder exists; otherwise a
+        loader fails later, in an actor, with a long traceback."""
+        from steadyrl.reward.http_reward import HttpRewardSpec, probe_remote_scorer
+        from steadyrl.reward.http_transport import RemoteScorerError
         from steadyrl.rollout.model_sources import ModelsUnavailable, check_model_sources
         from steadyrl.rollout.settings_base import ConfigError
 
@@ -75,6 +78,12 @@ class Testbed(ABC):
             check_model_sources(self.reward_model_sources() if rewards_only else self.model_sources())
         except ModelsUnavailable as err:
             raise ConfigError(str(err)) from None
+        spec = self.reward_spec()
+        for remote in [s for s in [*spec.members, *spec.monitors] if isinstance(s, HttpRewardSpec)]:
+            try:
+                probe_remote_scorer(remote)
+            except RemoteScorerError as err:
+                raise ConfigError(str(err)) from None
 
     @abstractmethod
     def build_sampler(self):
@@ -139,10 +148,10 @@ class Testbed(ABC):
 
         gold_score, gold_headline = self.held_out(scores)
         out = {
-            "reward/train_mean": float(scores.reward.mean()),
-            "reward/ensemble_mean": float(scores.mean.mean()),
-            "reward/ensemble_std": float(scores.std.mean()),
-            "reward/uncertainty_mean": float(scores.uncertainty.mean()),
+            "reward/train_mean": finite_mean(scores.reward),
+            "reward/ensemble_mean": finite_mean(scores.mean),
+            "reward/ensemble_std": finite_mean(scores.std),
+            "reward/uncertainty_mean": finite_mean(scores.uncertainty),
             "reward/gold_mean": float(gold_score.mean()),
             "reward/held_out": float(gold_headline.mean()),
             "diversity/nn_distance": (0.0 if scores.features is None else
@@ -151,7 +160,7 @@ class Testbed(ABC):
                                             mean_pairwise_distance(scores.features, batch.group)),
         }
         for name, col in zip(scores.names, scores.scores.T):
-            out[f"reward/{name}"] = float(col.mean())
+            out[f"reward/{name}"] = finite_mean(col)
         return out
 
     def held_out(self, scores: EnsembleScores) -> tuple[Tensor, Tensor]:

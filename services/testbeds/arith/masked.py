@@ -9,7 +9,7 @@ from pydantic import Field, model_validator
 from torch import Tensor, nn
 
 from steadyrl.reward.config import check_weighting
-from steadyrl.reward.python_reward import PythonRewardSpec
+from steadyrl.reward.user_rewards import UserRewardSpec
 from steadyrl.reward.weighting import RewardWeighting
 from steadyrl.rollout.lora import LoRAConfig
 from steadyrl.rollout.masked_lm import MaskedLMConfig
@@ -61,9 +61,10 @@ class ArithSettings(TestbedSettings):
     train_seed: int = Field(202, description="seed of the RL problems (pre-training and eval use others)")
     eval_seed: int = Field(303, description="seed of the fixed held-out evaluation problems")
     eval_problems: int = Field(200, ge=1, description="held-out problems per evaluation (greedy decoding)")
-    functions: list[PythonRewardSpec] = Field(
-        default_factory=list, description="your own reward functions beside the verifier (reward/python_reward.py: "
-        "called with the completions, their prompts and reference answers as text)")
+    functions: list[UserRewardSpec] = Field(
+        default_factory=list, description="your own rewards beside the verifier: functions (kind python, "
+        "reward/python_reward.py: called with the completions, their prompts and reference answers as text) or "
+        "remote scorers (kind http, reward/http_reward.py)")
     train_on: str = Field("verifier", description="what trains: 'verifier', a function's name, 'mean' of them all, "
                           "or 'weighted' (`weighting`); the exact-match verdict always watches")
     weighting: RewardWeighting | None = Field(None, description="train_on 'weighted': the verifier's and functions' "

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import numpy as np
 from torch import Tensor, nn
 
-from steadyrl.reward.ensemble import EnsembleScores
+from steadyrl.reward.ensemble import EnsembleScores, finite_mean
 from steadyrl.reward.ensemble_spec import EnsembleSpec
 from steadyrl.rollout.batch import RolloutBatch
 from steadyrl.rollout.sampler_factory import build_sampler
@@ -259,7 +259,7 @@ class ArithTaskTestbed(Testbed):
                 by_len.setdefault(f"{len(problems[i // per].answer)}-digit answers", []).append(ok)
         return {
             "held_out": float(correct.mean()),
-            "proxy_mean": float(scores.reward.mean()),
+            "proxy_mean": finite_mean(scores.reward),
             "diversity_nn": float(nearest_neighbour_distance(scores.features, batch.group).mean()),
             "breakdown": {k: sum(v) / len(v) for k, v in sorted(by_len.items())},
             "n_samples": len(batch),

@@ -17,7 +17,7 @@ from pydantic import Field
 from torch import Tensor, nn
 
 from steadyrl.reward.config import ImageRewardConfig
-from steadyrl.reward.ensemble import EnsembleScores
+from steadyrl.reward.ensemble import EnsembleScores, finite_mean
 from steadyrl.reward.ensemble_spec import EnsembleSpec
 from steadyrl.rollout.batch import RolloutBatch
 from steadyrl.rollout.lora import LoRAConfig
@@ -239,7 +239,7 @@ class TextToImageTestbed(Testbed):
         """The base summary plus every monitor-only reward's mean (`monitor/<name>`)."""
         out = super().rollout_summary(batch, scores)
         for name, col in scores.monitors.items():
-            out[f"monitor/{name}"] = float(col.mean())
+            out[f"monitor/{name}"] = finite_mean(col)
         return out
 
     def eval_summary(self, batch: RolloutBatch, scores: EnsembleScores) -> dict[str, Any]:
@@ -254,12 +254,12 @@ class TextToImageTestbed(Testbed):
         texts = self.prompt_texts(batch.cond)
         return {
             "held_out": float(held_out.mean()),
-            "proxy_mean": float(scores.reward.mean()),
+            "proxy_mean": finite_mean(scores.reward),
             "diversity_nn": (0.0 if scores.features is None else
                              float(nearest_neighbour_distance(scores.features, batch.group).mean())),
             "breakdown": {k: sum(v) / len(v) for k, v in sorted(by_tag.items())},
             "n_samples": len(batch),
-            "monitors": {k: float(v.mean()) for k, v in scores.monitors.items()},
+            "monitors": {k: finite_mean(v) for k, v in scores.monitors.items()},
             "images": self.last_images,
             "captions": [f"{t[:28]} ({float(r):.2f})" for t, r in zip(texts, scores.reward)],
         }
