@@ -5,8 +5,10 @@ OpenAI-compatible server in tests/vllm_backend/test_vllm_judge.py."""
 from __future__ import annotations
 
 import asyncio
+import base64
 import io
 import json
+import math
 import pickle
 import time
 
@@ -231,3 +233,54 @@ def test_inside_a_serve_replica_a_remote_scorer_scores_text_as_the_service_it_ca
     finally:
         for app in ("outer-arith", "inner-arith"):
             serve.delete(app)
+
+
+def chat_judge() -> tuple[FastAPI, list[dict]]:
+    """An OpenAI-shaped chat endpoint that reads the image of each request: the reply 'Final Score: 5 x brightness'
+    (or no score for a dark image), or under logprobs the first token's alternatives, 'Yes' split over two
+    spellings. (vLLM's own server is tested on text in tests/vllm_backend/test_vllm_judge.py.)"""
+    api, seen = FastAPI(), []
+
+    @api.get("/v1/models")
+    async def models() -> dict:
+        return {"object": "list", "data": [{"id": "vlm-judge", "object": "model"}]}
+
+    @api.post("/v1/chat/completions")
+    async def chat(request: Request) -> dict:
+        body = await request.json()
+        seen.append(body)
+        image_part, text_part = body["messages"][0]["content"]
+        png = base64.b64decode(image_part["image_url"]["url"].removeprefix("data:image/png;base64,"))
+        level = brightness(Image.open(io.BytesIO(png)))
+        if body.get("logprobs"):
+            top = [{"token": "Yes", "logprob": math.log(0.3 * level)}, {"token": " Yes", "logprob": math.log(0.2)},
+                   {"token": "No", "logprob": math.log(0.25)}, {"token": "Maybe", "logprob": math.log(0.2)}]
+            return {"choices": [{"message": {"content": "Yes"}, "logprobs": {"content": [{"token": "Yes",
+                                                                                         "top_logprobs": top}]}}]}
+        content = f"The image matches. Final Score: {5 * level:.4f}" if level > 0.2 else "I cannot tell."
+        return {"choices": [{"message": {"role": "assistant", "content": content}}]}
+
+    return api, seen
+
+
+def test_a_chat_judge_sees_the_image_as_a_data_url_with_the_template_and_its_answer_becomes_the_score():
+    api, seen = chat_judge()
+    x = torch.stack([torch.full((3, 8, 8), v) for v in (-0.9, 0.0, 0.8)])  # dark, grey, bright
+    prompts = ["a cat", "a dog", "a fox"]
+    with serving(api) as url:
+        judge = {"model": "vlm-judge", "template": "Does the image show {prompt}?"}
+        reply = build_reward_model({"kind": "http", "name": "vlm", "url": f"{url}/v1", "protocol": "openai_chat",
+                                    "judge": {**judge, "pattern": r"Final Score:\s*([0-9.]+)", "scale": 0.2,
+                                              "unparsed": "nan"}})
+        scores = reply.score(x, prompts)
+        logprobs = build_reward_model({"kind": "http", "name": "vlm", "url": f"{url}/v1", "protocol": "openai_chat",
+                                       "judge": {**judge, "score": "logprobs"}})
+        expected = logprobs.score(x, prompts)
+    levels = [brightness(Image.fromarray(a)) for a in ((x + 1) * 127.5).round().to(torch.uint8)
+              .permute(0, 2, 3, 1).numpy()]
+    assert math.isnan(scores[0]) and torch.allclose(scores[1:], torch.tensor(levels[1:]), atol=1e-4)
+    assert torch.allclose(expected, torch.tensor([(0.3 * v + 0.2) / (0.3 * v + 0.2 + 0.25) for v in levels]))
+    first = seen[0]
+    assert first["model"] == "vlm-judge" and first["temperature"] == 0.0 and first["max_tokens"] == 64
+    assert first["messages"][0]["content"][1] == {"type": "text", "text": "Does the image show a cat?"}
+    assert seen[-1]["logprobs"] is True and seen[-1]["max_tokens"] == 1 and len(seen) == 6  # one sample a request
