@@ -17,6 +17,7 @@ from steadyrl.reward.base import RewardModel
 from steadyrl.reward.classifiers import ClassifierSpec, DigitClassifierReward, load_classifier
 from steadyrl.reward.ensemble_spec import EnsembleSpec
 from steadyrl.reward.factory import JpegSpec, RewardSpec, build_reward_model
+from steadyrl.reward.python_reward import named_score_columns
 from steadyrl.reward.user_rewards import UserRewardSpec
 from steadyrl.reward.weighting import WEIGHTED, RewardWeighting
 from steadyrl.rollout.settings_base import StrictModel
@@ -61,6 +62,11 @@ class RewardConfig(StrictModel):
         """The classifier ensemble with the gold classifier watching (its top-1 verdict is the accuracy)."""
         return EnsembleSpec(members=self.member_specs(), monitors=[self.gold], train_on=self.train_on,
                             feature_model=self.feature_model, correct=[self.gold.name], weighting=self.weighting)
+
+    @field_validator("functions")
+    @classmethod
+    def _named_scores(cls, v: list[UserRewardSpec]) -> list[UserRewardSpec]:
+        return named_score_columns(v)  # a function's `keys`: one column each
 
     @model_validator(mode="after")
     def _names(self) -> "RewardConfig":
@@ -121,6 +127,7 @@ class ImageRewardConfig(StrictModel):
     @field_validator("models")
     @classmethod
     def _models(cls, v: list[RewardSpec]) -> list[RewardSpec]:
+        v = named_score_columns(v)  # a function's `keys`: one column each
         if not v:
             raise ValueError("reward.models: at least one reward model is needed")
         bad = [f"{m.name!r} (kind {m.kind!r})" for m in v if m.kind not in IMAGE_KINDS]

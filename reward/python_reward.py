@@ -8,7 +8,12 @@ The attribute is a function, called as `fn(images, prompts, **settings)`, or a c
 
     images   list of B uint8 arrays [H, W, C] (`images: pil`: PIL images), decoded from [-1, 1]
     prompts  list of B conditions: prompt strings (text_to_image) or class ids (digits)
-    returns  B numbers, higher is better (a list, a numpy array or a tensor)
+    returns  B numbers, higher is better (a list, a numpy array or a tensor), or with `keys: [a, b]` a dict of
+             named scores {"a": B numbers, "b": B numbers}: each becomes a column `<name>.<key>` (the columns of
+             one batch share one call where they share a process: the local runtime, colocated Serve replicas)
+
+With `metadata: true` (text-to-image) the call is `fn(images, prompts, metadata)`: each prompt's metadata, the keys
+besides `prompt` of a .jsonl prompt set ({} where none), as GenEval-style rewards read what a prompt asks for.
 
 For language-model testbeds (the arith family) the testbed fills in `text` (its tokenizer and task) and the call
 is `fn(completions, prompts, answers, **settings)`: B completion strings (up to the first EOS), their prompt strings
@@ -24,9 +29,11 @@ counted (`reward/nonfinite_skipped`), never trained on (`reward.base.UserRewardM
 """
 from __future__ import annotations
 
+import hashlib
 import importlib
 import importlib.util
 import inspect
+import pickle
 import sys
 from pathlib import Path
 from typing import Any, Callable, Literal
@@ -58,9 +65,20 @@ class PythonRewardSpec(StrictModel):
                                             "[H, W, C] or PIL images")
     groupwise: bool = Field(False, description="call the function once per prompt group (its samples together, "
                             "e.g. for rank-based rewards), not once per batch of unrelated samples")
+    keys: list[str] | None = Field(None, min_length=1, description="the function returns a dict of named scores "
+                                   "(each a list of B numbers): each key becomes its own column `<name>.<key>`, "
+                                   "trained on, weighted or watched like any model's")
+    metadata: bool = Field(False, description="text-to-image: also pass each prompt's metadata (the keys besides "
+                           "`prompt` of a .jsonl prompt set; {} where none), as a third argument: a GenEval-style "
+                           "reward reads what the prompt asks for there")
+    key: str | None = Field(None, description="filled in from `keys` (not a user setting): the one score this "
+                            "column reads from the returned dict")
     text: VerifierSpec | None = Field(None, description="language-model testbeds fill this in (not a user "
                                       "setting): the tokenizer that decodes completions and the task whose reference "
                                       "answers the function gets")
+    prompt_metadata: dict[str, dict[str, Any]] | None = Field(
+        None, description="with `metadata`, the text-to-image testbed fills this in (not a user setting): each "
+        "prompt's metadata by prompt text")
 
     @field_validator("function")
     @classmethod
@@ -129,13 +147,26 @@ def to_prompts(cond: Tensor | list[str]) -> list[Any]:
     return cond.tolist() if isinstance(cond, Tensor) else list(cond)
 
 
+def named_score_columns(specs: list[Any]) -> list[Any]:
+    """Each function spec with `keys` as one spec per key (name `<name>.<key>`, reading `key`); others as they are."""
+    out = []
+    for s in specs:
+        if isinstance(s, PythonRewardSpec) and s.keys is not None:
+            out.extend(s.model_copy(update={"name": f"{s.name}.{k}", "key": k, "keys": None}) for k in s.keys)
+        else:
+            out.append(s)
+    return out
+
+
 class PythonReward(UserRewardModel):
     """The `RewardModel` over a user's function or class (module docstring)."""
 
-    def __init__(self, name: str, function: str, call: Callable[..., Any], images: Literal["uint8", "pil"] = "uint8",
-                 text: VerifierReward | None = None):
+    def __init__(self, spec: PythonRewardSpec, call: Callable[..., Any], text: VerifierReward | None = None):
         """`text`: for a language model, the decoder and reference answers (the verifier of the testbed's task)."""
-        self.name, self.function, self.call, self.images, self.text = name, function, call, images, text
+        self.name, self.function, self.call, self.text = spec.name, spec.function, call, text
+        self.images, self.key = spec.images, spec.key
+        self.metadata = spec.prompt_metadata if spec.metadata else None
+        self.memo = SharedCall(f"{spec.function}|{sorted(spec.settings.items())!r}") if spec.key else None
 
     @classmethod
     def from_spec(cls, spec: PythonRewardSpec) -> "PythonReward":
@@ -152,13 +183,16 @@ class PythonReward(UserRewardModel):
             def call(*inputs: list[Any]) -> Any:
                 return target(*inputs, **settings)
         text = None if spec.text is None else VerifierReward.from_spec(spec.text)
-        return (GroupwisePythonReward if spec.groupwise else cls)(spec.name, spec.function, call, spec.images, text)
+        return (GroupwisePythonReward if spec.groupwise else cls)(spec, call, text)
 
     def inputs(self, samples: Tensor, cond: Tensor | list[str]) -> tuple[list[Any], ...]:
         """What the function is called with: (images, prompts), or for a language model (completions, prompts,
         answers), decoded from token ids."""
         if self.text is None:
-            return to_images(samples, self.images), to_prompts(cond)
+            prompts = to_prompts(cond)
+            if self.metadata is None:
+                return to_images(samples, self.images), prompts
+            return to_images(samples, self.images), prompts, [self.metadata.get(p, {}) for p in prompts]
         prompts = [self.text.prompt_text(p) for p in cond]
         completions = [self.text.codec.decode(c) for c in samples]
         return completions, prompts, [self.text.reference_answer(p) for p in cond]
@@ -168,10 +202,21 @@ class PythonReward(UserRewardModel):
 
     def call_function(self, inputs: tuple[list[Any], ...]) -> Tensor:
         try:
-            out = self.call(*inputs)
+            out = self.call(*inputs) if self.memo is None else self.memo(self.call, inputs)
         except Exception as err:
             raise RewardFunctionError(f"reward {self.name!r} ({self.function}) raised {type(err).__name__}: "
                                       f"{err}") from err
+        if isinstance(out, dict) != (self.key is not None):
+            raise RewardFunctionError(
+                f"reward {self.name!r} ({self.function}) returned a dict of named scores {list(out)[:8]}: list the "
+                "ones to use in `keys`" if isinstance(out, dict) else
+                f"reward {self.name!r} ({self.function}) has keys but returned a {type(out).__name__}, not a dict "
+                "of named scores")
+        if self.key is not None:
+            if self.key not in out:
+                raise RewardFunctionError(f"reward {self.name!r} ({self.function}) returned no score {self.key!r} "
+                                          f"(its keys: {list(out)})")
+            out = out[self.key]
         return as_scores(self.name, self.function, out, len(inputs[0]))
 
     def score_items(self, prompts: list[str | list[int]], completions: list[str | list[int]]) -> tuple[Tensor, Tensor]:
@@ -213,3 +258,21 @@ def as_scores(name: str, function: str, out: Any, batch: int) -> Tensor:
         raise RewardFunctionError(f"reward {name!r} ({function}) returned {len(values)} scores of shape "
                                   f"{tuple(np.shape(out))} for {batch} samples: one number per sample is needed")
     return values.to(torch.float32)
+
+
+class SharedCall:
+    """The last call of one function with its settings, shared by the columns of its named scores in this process:
+    the columns of one batch (the same inputs) call the function once."""
+
+    last: dict[str, tuple[str, Any]] = {}
+
+    def __init__(self, identity: str):
+        self.identity = identity
+
+    def __call__(self, call: Callable[..., Any], inputs: tuple[list[Any], ...]) -> Any:
+        digest = hashlib.sha256(pickle.dumps(inputs)).hexdigest()
+        seen = SharedCall.last.get(self.identity)
+        if seen is None or seen[0] != digest:
+            seen = (digest, call(*inputs))
+            SharedCall.last[self.identity] = seen
+        return seen[1]

@@ -1,6 +1,6 @@
 """The import rules of docs/architecture.md, read from the source: each floor imports only the floors below it
-(rollout < reward < trainer < run_folder < testbeds < config < serving < runtime < driver), no module imports
-itself back through others, and only runtime/ and serving/ import Ray.
+(rollout < reward < trainer < run_folder < testbeds < config < serving < runtime < driver < api, the package's
+front door), no module imports itself back through others, and only runtime/ and serving/ import Ray.
 
 Imports under `if TYPE_CHECKING:` are annotations, not arrows (they never run); a function-level import is an
 arrow like any other."""
@@ -14,7 +14,7 @@ from benchmarks.import_structure import circles, import_graph
 
 ROOT = Path(__file__).resolve().parents[1]
 FLOORS = ["rollout", "reward", "trainer", "services.run_folder", "services.testbeds", "services.config",
-          "services.serving", "services.runtime", "services.driver"]
+          "services.serving", "services.runtime", "services.driver", "services.api"]
 RAY_WINGS = ("services.runtime", "services.serving")
 GRAPH, RAY_IMPORTERS, _ = import_graph(ROOT)
 

@@ -32,6 +32,19 @@ def first_unscored(images, prompts):
     """Called per group: NaN for the group's first image (one it could not score), brightness for the rest."""
     return [float("nan")] + [float(np.asarray(im, dtype=np.float64).mean()) / 255 for im in images[1:]]
 
+CALLS = []
+
+def two_scores(images, prompts):
+    """Named scores: brightness and darkness in [0, 1] (each call recorded)."""
+    CALLS.append(len(images))
+    bright = [float(np.asarray(im, dtype=np.float64).mean()) / 255 for im in images]
+    return {"bright": bright, "dark": [1 - b for b in bright], "unused": [0.0] * len(images)}
+
+def asked_count(images, prompts, metadata):
+    """A GenEval-style reward: the count the prompt's metadata asks for, minus a tenth of the brightness."""
+    return [m.get("count", -1) - float(np.asarray(im, dtype=np.float64).mean()) / 2550
+            for im, m in zip(images, metadata)]
+
 def echo_labels(images, prompts):
     return [float(p) for p in prompts]
 
@@ -269,3 +282,57 @@ def test_samples_a_function_cannot_score_are_skipped_and_counted_through_serve_a
     assert [r["reward/nonfinite_skipped"] for r in rows] == [10.0, 10.0]
     assert all(0 < r["reward/partial"] < 1 and np.isfinite(r["reward/train_mean"]) for r in rows)
     assert computed_metrics(rows) == computed_metrics(read_metrics(on_ray.run_dir))
+
+
+def test_a_function_returning_named_scores_gives_a_column_per_key_from_one_call_per_batch(rewards_file):
+    """`keys` turn a function's dict into columns `<name>.<key>` (trained on, weighted, logged like any model's);
+    the columns of one batch share one call; a dict without `keys`, or a list with them, is an error naming it."""
+    from steadyrl.reward.config import RewardConfig
+    from steadyrl.reward.python_reward import resolve
+
+    fn = f"{rewards_file}:two_scores"
+    cfg = RewardConfig.model_validate({"functions": [{"name": "light", "function": fn, "keys": ["bright", "dark"]}],
+                                       "train_on": "weighted",
+                                       "weighting": {"weights": {"cnn": 1.0, "light.dark": 2.0}}})
+    assert [m.name for m in cfg.member_specs()][-2:] == ["light.bright", "light.dark"]
+    again = RewardConfig.model_validate(cfg.model_dump())  # as the config travels: expanded once, not twice
+    assert [m.name for m in again.member_specs()] == [m.name for m in cfg.member_specs()]
+    models = [build_reward_model(s) for s in cfg.member_specs()[-2:]]
+    calls = resolve(fn).__globals__["CALLS"]
+    calls.clear()
+    images = torch.linspace(-1, 1, 3 * 8 * 8).reshape(3, 1, 8, 8)
+    bright, dark = (m.score(images, torch.arange(3)) for m in models)
+    want = model(rewards_file, "brightness").score(images, torch.arange(3))
+    assert torch.equal(bright, want) and torch.allclose(dark, 1 - want) and calls == [3]
+    assert models[0].score(images.flip(0), torch.arange(3)).tolist() == want.flip(0).tolist() and calls == [3, 3]
+    with pytest.raises(RewardFunctionError, match=r"returned a dict of named scores \['bright', 'dark', 'unused'\]: "
+                       "list the ones to use in `keys`"):
+        model(rewards_file, "two_scores").score(images, torch.arange(3))
+    with pytest.raises(RewardFunctionError, match="has keys but returned a list"):
+        build_reward_model(parse_reward_spec({"kind": "python", "name": "b", "function": f"{rewards_file}:brightness",
+                                              "key": "x"})).score(images, torch.arange(3))
+    with pytest.raises(RewardFunctionError, match="returned no score 'glow'"):
+        build_reward_model(parse_reward_spec({"kind": "python", "name": "b", "function": fn, "key": "glow"})).score(
+            images, torch.arange(3))
+
+
+def test_a_text_to_image_function_that_asks_for_metadata_gets_each_prompts_from_the_prompt_set(rewards_file,
+                                                                                               tmp_path):
+    """`metadata: true`: the testbed fills in the .jsonl prompt set's metadata by prompt, and the function gets it
+    as a third argument ({} for a prompt without any)."""
+    from steadyrl.services.testbeds.text_to_image.testbed import TextToImageSettings
+    from tests.helpers import make_testbed
+
+    prompts = tmp_path / "counting.jsonl"
+    prompts.write_text('{"prompt": "two cats", "count": 2}\n{"prompt": "three dogs", "count": 3}\n'
+                       '{"prompt": "a fox"}\n{"prompt": "four owls", "count": 4}\n')
+    settings = TextToImageSettings(pretrained="unused/by-reward-spec", prompts={"train": str(prompts),
+                                                                              "eval_fraction": 0.25}, reward={
+        "models": [{"kind": "python", "name": "count", "function": f"{rewards_file}:asked_count", "metadata": True}]})
+    spec = make_testbed(settings).reward_spec()
+    assert spec.members[0].prompt_metadata == {"two cats": {"count": 2}, "three dogs": {"count": 3},
+                                               "four owls": {"count": 4}}
+    ensemble = spec.build()
+    images = -torch.ones(4, 3, 4, 4)  # black: brightness 0
+    scores = ensemble.score_all(images, ["three dogs", "a fox", "two cats", "four owls"])
+    assert scores.reward.tolist() == [3.0, -1.0, 2.0, 4.0]

@@ -64,10 +64,11 @@ def train(
 ) -> None:
     """Pretrain if needed, then RL through local Ray (rollout actor -> Serve rewards -> DeepSpeed learner), or
     in one process with --local."""
-    from steadyrl.services.driver.controller import RunFailed, train as run_train
+    from steadyrl.services.driver.api import train as run_train  # `steadyrl.train`: this command is a layer over it
+    from steadyrl.services.run_folder.checkpoints import RunFailed
 
     stop_on_sigterm()  # `kill PID` stops like Ctrl-C: checkpoint kept, Ray shut down, exit status 143
-    args = [*(args or []), *(["run.runtime=local"] if local else [])]
+    args = list(args or [])
     if allow_changes and resume is None:
         _fail("--allow-changes only applies with --resume")
     if resume is not None:
@@ -75,21 +76,19 @@ def train(
             _fail("with --resume the config comes from the run folder; pass only overrides")
         if not (resume / "config.yaml").exists():
             _fail(f"--resume {resume}: no config.yaml there")
-        try:
-            result = run_train(overrides=args, resume_dir=resume, console=console, allow_changes=allow_changes)
-        except (ConfigError, FileNotFoundError) as err:
-            _fail(str(err))
-        except RunFailed as err:
-            _run_failed(err)
-    else:
-        config, overrides, _ = _load(args)
-        try:
-            result = run_train(config, overrides, console=console)
-        except ConfigError as err:  # found after the config loaded: Ray missing, a model not to be had
-            _fail(str(err))
-        except RunFailed as err:
-            _run_failed(err)
-    raise typer.Exit(result.exit_status)
+    config, overrides = (None, args) if resume is not None else _split_args(args)
+    try:
+        run = run_train(config, overrides, runtime="local" if local else None, resume=resume,
+                        allow_changes=allow_changes, console=console)
+    except ConfigError as err:  # a bad config or override, Ray missing, a model not to be had: before anything runs
+        _fail(str(err))
+    except FileNotFoundError as err:
+        if resume is None:
+            raise
+        _fail(str(err))  # --resume: no checkpoint to resume from
+    except RunFailed as err:
+        _run_failed(err)
+    raise typer.Exit(run.result.exit_status)
 
 
 def _run_failed(err: Exception) -> None:

@@ -111,8 +111,10 @@ class RollBack(Exception):
 
 
 class Controller:
-    def __init__(self, cfg: TrainConfig, run_dir: Path, console: Console | None = None, resume: bool = False):
+    def __init__(self, cfg: TrainConfig, run_dir: Path, console: Console | None = None, resume: bool = False,
+                 progress: str = "auto"):
         self.cfg = cfg
+        self.progress = progress  # how the steps show: "auto" | "bar" | "lines" | "none" (`console.progress_style`)
         self.testbed = build_testbed(cfg)
         self.run_dir = Path(run_dir)
         self.console = console or Console()
@@ -142,7 +144,7 @@ class Controller:
                 self.evaluate(0)
                 if cfg.health.rollback.enabled:
                     self.checkpoint(0)  # a collapse in the first updates has somewhere to go back to
-            with progress_bar(cfg, self.testbed, self.console, start) as bar:
+            with progress_bar(cfg, self.testbed, self.console, start, self.progress) as bar:
                 step = start
                 while True:
                     try:
@@ -348,9 +350,11 @@ def merge_summaries(summaries: list[dict[str, float]]) -> dict[str, float]:
 
 def train(config: str | Path | None = None, overrides: list[str] | tuple[str, ...] = (),
           resume_dir: str | Path | None = None, console: Console | None = None,
-          allow_changes: bool = False) -> RunResult:
-    """Entry point shared by the CLI and `python -m steadyrl.services.driver.job`. A resume checks the overrides
-    against the run's config (`services.driver.resume`), records them and keeps config.yaml the run's current one."""
+          allow_changes: bool = False, progress: str = "auto") -> RunResult:
+    """The run behind `steadyrl.train` (services/driver/api.py), and so behind the CLI and `python -m
+    steadyrl.services.driver.job`. A resume checks the overrides against the run's config
+    (`services.driver.resume`), records them and keeps config.yaml the run's current one. `progress`: the steps'
+    display, "auto" | "bar" | "lines" | "none" (`console.progress_style`)."""
     if resume_dir is not None:
         run_dir = Path(resume_dir)
         saved = load_config(run_dir / "config.yaml")
@@ -361,7 +365,7 @@ def train(config: str | Path | None = None, overrides: list[str] | tuple[str, ..
         record_resume(run_dir, step, changes)
         if changes:
             write_text_atomically(run_dir / "config.yaml", dump_config(cfg))
-        return Controller(cfg, run_dir, console, resume=True).run()
+        return Controller(cfg, run_dir, console, resume=True, progress=progress).run()
     cfg = load_config(config, overrides)
     check_can_start(cfg)  # before Ray starts and the run folder exists
-    return Controller(cfg, new_run_dir(cfg), console).run()
+    return Controller(cfg, new_run_dir(cfg), console, progress=progress).run()

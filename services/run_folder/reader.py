@@ -71,21 +71,32 @@ def _jsonl(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def load_run(path: str | Path) -> RunFolder:
-    """Read a run folder; raises NotARunFolder naming `path` when it has no config.yaml."""
+def check_run_folder(path: str | Path) -> Path:
+    """`path`, when it is a run folder; else NotARunFolder naming it (no such directory, or no config.yaml)."""
     path = Path(path)
     if not path.is_dir():
         raise NotARunFolder(f"{path} is not a run folder (no such directory)")
     if not (path / "config.yaml").is_file():
         raise NotARunFolder(f"{path} is not a run folder (no config.yaml; `steadyrl train` writes one)")
-    evals_path = path / "evals.json"
+    return path
+
+
+def read_evals(run_dir: str | Path) -> list[dict[str, Any]]:
+    """The run's evaluations (evals.json: one per eval step, the base first); none before the first."""
+    path = Path(run_dir) / "evals.json"
+    return json.loads(path.read_text()) if path.exists() else []
+
+
+def load_run(path: str | Path) -> RunFolder:
+    """Read a run folder; raises NotARunFolder naming `path` when it has no config.yaml."""
+    path = check_run_folder(path)
     samples: dict[int, list[Path]] = {}
     for f in sorted(path.glob("samples_step_*")):
         stem = f.name.split(".")[0]
         if f.suffix in SAMPLE_SUFFIXES and stem[len("samples_step_"):].isdigit():
             samples.setdefault(int(stem[len("samples_step_"):]), []).append(f)
     return RunFolder(path=path, config_text=(path / "config.yaml").read_text(), metrics=read_metrics(path),
-                     evals=json.loads(evals_path.read_text()) if evals_path.exists() else [],
+                     evals=read_evals(path),
                      rollbacks=_jsonl(path / "rollbacks.jsonl"), anomalies=_jsonl(path / "anomalies.jsonl"),
                      samples=samples)
 

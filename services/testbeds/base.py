@@ -114,6 +114,12 @@ class Testbed(ABC):
         (text-to-image: VAE-decoded images and the prompt strings)."""
         return batch.samples, batch.cond
 
+    def readable(self, policy: nn.Module, batch: RolloutBatch) -> tuple[list[Any], Tensor | list[str]]:
+        """(each sample's prompt, the samples) as a person reads them (`Run.sample`): by default what the reward
+        models see, `reward_inputs` (a class id or prompt text; images); a language model's decoded text."""
+        samples, cond = self.reward_inputs(policy, batch)
+        return (cond.tolist() if isinstance(cond, Tensor) else list(cond)), samples
+
     def eval_sampler(self):
         """The sampler evaluations use (the training sampler unless the testbed says otherwise)."""
         return self.build_sampler()

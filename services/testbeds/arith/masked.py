@@ -5,10 +5,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 from torch import Tensor, nn
 
 from steadyrl.reward.config import check_weighting
+from steadyrl.reward.python_reward import named_score_columns
 from steadyrl.reward.user_rewards import UserRewardSpec
 from steadyrl.reward.weighting import RewardWeighting
 from steadyrl.rollout.lora import LoRAConfig
@@ -88,6 +89,11 @@ class ArithSettings(TestbedSettings):
         if self.file is not None:
             self.file.rows()  # a missing file, or a row without its fields, fails here naming the line and field
         return self
+
+    @field_validator("functions")
+    @classmethod
+    def _named_scores(cls, v: list[UserRewardSpec]) -> list[UserRewardSpec]:
+        return named_score_columns(v)  # a function's `keys`: one column each
 
     @model_validator(mode="after")
     def _rewards(self) -> "ArithSettings":

@@ -236,7 +236,8 @@ class ArithTaskTestbed(Testbed):
                                 trust_remote_code=a.trust_remote_code, eos_token_id=a.eos_token_id,
                                 pad_token_id=a.pad_token_id)
         exact = verifier.model_copy(update={"partial_credit": False, "name": "exact"})
-        functions = [f.model_copy(update={"text": verifier}) for f in a.functions]
+        functions = [f.model_copy(update={"text": verifier}) if "text" in type(f).model_fields else f
+                     for f in a.functions]  # a plug-in reward kind decodes with the verifier if it has `text`
         return EnsembleSpec(members=[verifier, *functions], monitors=[exact], train_on=a.train_on,
                             feature_model=verifier.name, correct=[exact.name], weighting=a.weighting)
 
@@ -244,13 +245,16 @@ class ArithTaskTestbed(Testbed):
     def gold_name(self) -> str:
         return "exact"
 
+    def readable(self, policy: nn.Module | None, batch: RolloutBatch) -> tuple[list[str], list[str]]:
+        """(the prompts, the completions) decoded as text."""
+        codec = self.codec
+        return [codec.decode(p[p != codec.pad_id]) for p in batch.cond], [codec.decode(c) for c in batch.samples]
+
     def eval_summary(self, batch: RolloutBatch, scores: EnsembleScores) -> dict[str, Any]:
         from steadyrl.reward.diversity import nearest_neighbour_distance
 
         correct = scores.monitors["exact_correct"]
-        codec = self.codec
-        prompts = [codec.decode(p[p != codec.pad_id]) for p in batch.cond]
-        completions = [codec.decode(c) for c in batch.samples]
+        prompts, completions = self.readable(None, batch)
         by_len: dict[str, list[float]] = {}
         if self.settings.task != "file":  # by the true answer's length (sums with a carry out: +1)
             problems = self.task.problems(self.settings.eval_seed, range(self.settings.eval_problems))

@@ -19,6 +19,7 @@ from torch import Tensor, nn
 from steadyrl.reward.config import ImageRewardConfig
 from steadyrl.reward.ensemble import EnsembleScores, finite_mean
 from steadyrl.reward.ensemble_spec import EnsembleSpec
+from steadyrl.reward.python_reward import PythonRewardSpec
 from steadyrl.rollout.batch import RolloutBatch
 from steadyrl.rollout.lora import LoRAConfig
 from steadyrl.rollout.prompts import PromptsConfig
@@ -210,7 +211,20 @@ class TextToImageTestbed(Testbed):
         """Reward models load inside their Serve replicas (by name or path); nothing to build here."""
 
     def reward_spec(self) -> EnsembleSpec:
-        return self.settings.reward.ensemble_spec()
+        """The reward models; a function that asks for prompt metadata gets the prompt sets' (by prompt text)."""
+        spec = self.settings.reward.ensemble_spec()
+
+        def asks(s: Any) -> bool:
+            return isinstance(s, PythonRewardSpec) and s.metadata
+
+        if not any(asks(s) for s in [*spec.members, *spec.monitors]):
+            return spec
+        train, held_out = self.splits.train, self.splits.eval
+        table = {p: m for p, m in zip(train.prompts + held_out.prompts, train.metadata + held_out.metadata) if m}
+
+        def filled(specs: list) -> list:
+            return [s.model_copy(update={"prompt_metadata": table}) if asks(s) else s for s in specs]
+        return spec.model_copy(update={"members": filled(spec.members), "monitors": filled(spec.monitors)})
 
     def model_sources(self) -> list[tuple[str, str]]:
         """The pipeline, then the reward models."""
