@@ -5,7 +5,7 @@ request and its reply into one score per sample, and says what a reachable serve
                  text_to_image: base64 PNG and prompt; arith: prompt and completion text); the score is a column of
                  its reply (`reward`, `mean`, a member's or a monitor's name). Probe: GET {url}/healthz.
     flow_grpo    POST {url}, flow_grpo's reward-server body: pickle.dumps({"images": [JPEG bytes], "prompts": [...],
-                 **extra_fields}); the reply is a pickled dict whose `score_key` list holds the scores.
+                 "meta_datas": [...] (with `metadata`), **extra_fields}); the reply is a pickled dict whose `score_key` list holds the scores.
                  Unpickling a reply runs whatever code the server put in it: only with `allow_pickle: true`.
     openai_chat  POST {url}/chat/completions, one sample per request: the image as a PNG data URL (image testbeds)
                  and the judge's template filled with {prompt}, {completion}, {answer}. The score is
@@ -143,6 +143,8 @@ class FlowGrpoProtocol:
         body: dict[str, Any] = {"images": [png_bytes(img, "JPEG") for img in items["images"]]}
         if self.settings.send_prompts:
             body["prompts"] = list(items["prompts"])
+        if "metadata" in items:  # `metadata: true`
+            body["meta_datas"] = list(items["metadata"])
         data = pickle.dumps({**body, **self.settings.extra_fields})
         return Request("POST", self.url, {"content": data})
 

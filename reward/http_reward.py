@@ -45,6 +45,10 @@ class HttpRewardSpec(HttpTransport):
     flow_grpo: FlowGrpoSettings = Field(default_factory=FlowGrpoSettings, description="flow_grpo: the body's keys")
     judge: JudgeSettings | None = Field(None, description="openai_chat: the model, its question and how its "
                                         "answer becomes a score")
+    metadata: bool = Field(False, description="flow_grpo, text-to-image: send each prompt's metadata (the keys "
+                           "besides `prompt` of a .jsonl prompt set) as 'meta_datas', as its GenEval server reads them")
+    prompt_metadata: dict[str, dict[str, Any]] | None = Field(
+        None, description="with `metadata`, the text-to-image testbed fills this in (not a user setting)")
     text: VerifierSpec | None = Field(None, description="language-model testbeds fill this in (not a user "
                                       "setting): the tokenizer that decodes completions and the task's reference "
                                       "answers")
@@ -59,6 +63,8 @@ class HttpRewardSpec(HttpTransport):
                              "you trust")
         if self.protocol == "openai_chat" and self.judge is None:
             raise ValueError("protocol 'openai_chat' needs judge (model, template, and how to score the answer)")
+        if self.metadata and self.protocol != "flow_grpo":
+            raise ValueError(f"metadata: true is sent by protocol flow_grpo only, not {self.protocol!r}")
         if self.protocol != "openai_chat" and self.judge is not None:
             raise ValueError(f"judge is set but protocol is {self.protocol!r}: a judge needs protocol openai_chat")
         return self
@@ -104,8 +110,12 @@ class HttpReward(UserRewardModel):
     def items(self, samples: Tensor, cond: Tensor | list[str]) -> Items:
         """The batch as the protocols read it: images (uint8) or decoded completions, with prompts."""
         if self.text is None:
-            return {"samples": list(samples.detach().float().cpu()), "images": to_images(samples, "uint8"),
-                    "prompts": to_prompts(cond)}
+            items = {"samples": list(samples.detach().float().cpu()), "images": to_images(samples, "uint8"),
+                     "prompts": to_prompts(cond)}
+            if self.spec.metadata:
+                table = self.spec.prompt_metadata or {}
+                items["metadata"] = [table.get(p, {}) for p in items["prompts"]]
+            return items
         return {"completions": [self.text.codec.decode(c) for c in samples],
                 "prompts": [self.text.prompt_text(p) for p in cond],
                 "answers": [self.text.reference_answer(p) for p in cond]}

@@ -36,7 +36,7 @@ class Scorer:
 
     def __init__(self, fail_first: int = 0, status: int = 503, token: str | None = None, reply: str = "pickle"):
         self.fail_first, self.status, self.token, self.reply = fail_first, status, token, reply
-        self.requests, self.in_flight, self.max_in_flight, self.sizes = 0, 0, 0, []
+        self.requests, self.in_flight, self.max_in_flight, self.sizes, self.bodies = 0, 0, 0, [], []
 
     def app(self) -> FastAPI:
         api = FastAPI()
@@ -54,6 +54,7 @@ class Scorer:
             self.in_flight -= 1
             body = pickle.loads(await request.body())
             self.sizes.append(len(body["images"]))
+            self.bodies.append({k: v for k, v in body.items() if k != "images"})
             out = [brightness(Image.open(io.BytesIO(b))) + len(p) / 100 for b, p in zip(body["images"],
                                                                                         body["prompts"])]
             if self.reply == "json":
@@ -284,3 +285,23 @@ def test_a_chat_judge_sees_the_image_as_a_data_url_with_the_template_and_its_ans
     assert first["model"] == "vlm-judge" and first["temperature"] == 0.0 and first["max_tokens"] == 64
     assert first["messages"][0]["content"][1] == {"type": "text", "text": "Does the image show a cat?"}
     assert seen[-1]["logprobs"] is True and seen[-1]["max_tokens"] == 1 and len(seen) == 6  # one sample a request
+
+
+def test_flow_grpo_bodies_carry_the_prompts_metadata_and_extra_fields_when_asked(tmp_path):
+    """On text-to-image with `metadata: true` the testbed fills in the .jsonl prompt set's metadata and each body
+    carries it as 'meta_datas' (GenEval's server reads it), beside the prompts and `extra_fields`."""
+    from steadyrl.services.testbeds.text_to_image.testbed import TextToImageSettings
+    from tests.helpers import make_testbed
+
+    prompts = tmp_path / "counting.jsonl"
+    prompts.write_text('{"prompt": "two cats", "count": 2}\n{"prompt": "a fox"}\n{"prompt": "four owls", "count": 4}\n')
+    scorer = Scorer()
+    with serving(scorer.app()) as url:
+        settings = TextToImageSettings(pretrained="unused/by-reward-spec", prompts={"train": str(prompts)}, reward={
+            "models": [spec(url, metadata=True, flow_grpo={"extra_fields": {"only_strict": False}})]})
+        ensemble = make_testbed(settings).reward_spec().build()
+        ensemble.score_all(images(3), ["four owls", "a fox", "two cats"])
+    assert scorer.bodies == [{"prompts": ["four owls", "a fox", "two cats"], "only_strict": False,
+                              "meta_datas": [{"count": 4}, {}, {"count": 2}]}]
+    with pytest.raises(ValidationError, match="metadata: true is sent by protocol flow_grpo only"):
+        parse_reward_spec({"kind": "http", "name": "r", "url": "http://127.0.0.1:1", "metadata": True})

@@ -19,6 +19,7 @@ from torch import Tensor, nn
 from steadyrl.reward.config import ImageRewardConfig
 from steadyrl.reward.ensemble import EnsembleScores, finite_mean
 from steadyrl.reward.ensemble_spec import EnsembleSpec
+from steadyrl.reward.http_reward import HttpRewardSpec
 from steadyrl.reward.python_reward import PythonRewardSpec
 from steadyrl.rollout.batch import RolloutBatch
 from steadyrl.rollout.lora import LoRAConfig
@@ -215,7 +216,7 @@ class TextToImageTestbed(Testbed):
         spec = self.settings.reward.ensemble_spec()
 
         def asks(s: Any) -> bool:
-            return isinstance(s, PythonRewardSpec) and s.metadata
+            return isinstance(s, (PythonRewardSpec, HttpRewardSpec)) and s.metadata
 
         if not any(asks(s) for s in [*spec.members, *spec.monitors]):
             return spec
