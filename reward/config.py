@@ -16,7 +16,7 @@ from torch import Tensor
 from steadyrl.reward.base import RewardModel
 from steadyrl.reward.classifiers import ClassifierSpec, DigitClassifierReward, load_classifier
 from steadyrl.reward.ensemble_spec import EnsembleSpec
-from steadyrl.reward.factory import JpegSpec, RewardSpec, build_reward_model
+from steadyrl.reward.factory import PLUGIN_SPECS, JpegSpec, RewardSpec, build_reward_model
 from steadyrl.reward.python_reward import named_score_columns
 from steadyrl.reward.user_rewards import UserRewardSpec
 from steadyrl.reward.weighting import WEIGHTED, RewardWeighting
@@ -44,8 +44,9 @@ class RewardConfig(StrictModel):
     jpeg: bool = Field(False, description="add the JPEG-compressibility reward as a member")
     functions: list[UserRewardSpec] = Field(
         default_factory=list, description="your own rewards as members beside the classifiers: functions (kind "
-        "python, reward/python_reward.py: called with the B images as uint8 arrays and their class ids) or remote "
-        "scorers (kind http, reward/http_reward.py)")
+        "python, reward/python_reward.py: called with the B images as uint8 arrays and their class ids), remote "
+        "scorers (kind http, reward/http_reward.py) or an installed plug-in package's reward kinds "
+        "(docs/bring-your-own-reward.md)")
     train_on: str = Field("cnn", description="member name, 'mean' for the ensemble mean, or 'weighted' (`weighting`)")
     feature_model: str = Field("cnn", description="member whose features measure diversity")
     weighting: RewardWeighting | None = Field(
@@ -94,8 +95,8 @@ def check_weighting(train_on: str, weighting: RewardWeighting | None, trained: l
         weighting.check_names(trained, monitors)
 
 
-# the kinds that score images [B,3,H,W] given B prompts
-IMAGE_KINDS = ("jpeg", "clip_score", "aesthetic", "preference", "python", "http", "ocr")
+# the kinds that score images [B,3,H,W] given B prompts; a plug-in package's kinds are taken at their word
+IMAGE_KINDS = ("jpeg", "clip_score", "aesthetic", "preference", "python", "http", "ocr", *PLUGIN_SPECS)
 FEATURE_KINDS = ("clip_score", "aesthetic", "preference")  # CLIP-based: `features` are CLIP image embeddings
 
 

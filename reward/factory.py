@@ -16,15 +16,17 @@ model scores the same whether it runs in a benchmark or behind REST. A spec's `k
                  text OCR reads (Flow-GRPO's; reward/ocr_reward.py, the `ocr` extra)
     http         a remote scorer: a steadyrl reward service, a flow_grpo reward server or an OpenAI-compatible
                  judge (reward/http_reward.py)
+    <plug-in>    a kind an installed package adds (entry point group `steadyrl.rewards`, rollout/plugins.py): its
+                 spec class is in the union below and its `build()` returns the model
 
 The image-text kinds load a transformers CLIPModel by hub id or local directory (`model`) and score
 images [B,3,H,W] in [-1, 1] against a list of B prompts (reward/clip_models.py).
 """
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal, Union
+from typing import Annotated, Any, Iterable, Literal, Union, get_args, get_origin
 
-from pydantic import Discriminator, Field, Tag, TypeAdapter
+from pydantic import BaseModel, Discriminator, Field, Tag, TypeAdapter
 
 from steadyrl.reward.base import RewardModel
 from steadyrl.reward.classifiers import ClassifierSpec
@@ -33,6 +35,7 @@ from steadyrl.reward.http_reward import HttpRewardSpec
 from steadyrl.reward.ocr_reward import OcrSpec
 from steadyrl.reward.python_reward import PythonRewardSpec
 from steadyrl.reward.verifiers import VerifierSpec
+from steadyrl.rollout.plugins import describe, load_plugins
 from steadyrl.rollout.settings_base import StrictModel
 
 
@@ -103,14 +106,42 @@ class PreferenceSpec(PromptReadingSettings):
         "from; None: take them from `model`")
 
 
-RewardSpec = Annotated[
-    Union[Annotated[ClassifierSpec, Tag("classifier")], Annotated[JpegSpec, Tag("jpeg")],
-          Annotated[VerifierSpec, Tag("verifier")], Annotated[ClipScoreSpec, Tag("clip_score")],
-          Annotated[AestheticSpec, Tag("aesthetic")], Annotated[PreferenceSpec, Tag("preference")],
-          Annotated[PythonRewardSpec, Tag("python")], Annotated[HttpRewardSpec, Tag("http")],
-          Annotated[OcrSpec, Tag("ocr")]],
-    Discriminator("kind"),
-]
+BUILT_IN_SPECS = (ClassifierSpec, JpegSpec, VerifierSpec, ClipScoreSpec, AestheticSpec, PreferenceSpec,
+                  PythonRewardSpec, HttpRewardSpec, OcrSpec)
+
+
+def spec_kind(spec: type[BaseModel]) -> str:
+    """The `kind` a spec class is picked by: its `kind` field's default."""
+    return spec.model_fields["kind"].default
+
+
+def _not_a_reward_spec(kind: str, obj: Any) -> str | None:
+    """Why an entry point of `steadyrl.rewards` cannot be reward kind `kind` (None: it can)."""
+    if not (isinstance(obj, type) and issubclass(obj, BaseModel)):
+        return f"{describe(obj)} is not a reward spec (a pydantic model class with `kind`, `name` and `build()`)"
+    kind_field, name_field = obj.model_fields.get("kind"), obj.model_fields.get("name")
+    if kind_field is None or get_origin(kind_field.annotation) is not Literal or get_args(kind_field.annotation) != (
+            kind,) or kind_field.default != kind:
+        return f"{obj.__name__} must declare `kind: Literal[{kind!r}] = {kind!r}` (the entry point's name)"
+    if name_field is None:
+        return f"{obj.__name__} has no `name` field (the reward's column in the ensemble and the metrics)"
+    if not callable(getattr(obj, "build", None)):
+        return f"{obj.__name__} has no `build()` method returning its reward model"
+    return None
+
+
+# Reward kinds of installed plug-in packages (rollout/plugins.py): spec classes whose `build()` returns the model.
+PLUGIN_SPECS: dict[str, type[BaseModel]] = load_plugins(
+    "steadyrl.rewards", "reward kind", map(spec_kind, BUILT_IN_SPECS), _not_a_reward_spec)
+
+
+def tagged_union(specs: Iterable[type[BaseModel]]) -> Any:
+    """Union[Annotated[spec, Tag(kind)], ...]: the members of a union discriminated by `kind`."""
+    return Union[tuple(Annotated[s, Tag(spec_kind(s))] for s in specs)]  # type: ignore[return-value]
+
+
+RewardSpec = Annotated[tagged_union([*BUILT_IN_SPECS, *PLUGIN_SPECS.values()]),  # type: ignore[valid-type]
+                       Discriminator("kind")]
 _SPEC = TypeAdapter(RewardSpec)
 
 
@@ -159,4 +190,11 @@ def build_reward_model(spec: RewardSpec | dict[str, Any]) -> RewardModel:
         from steadyrl.reward.ocr_reward import OcrReward
 
         return OcrReward.from_spec(spec)
+    if spec.kind in PLUGIN_SPECS:
+        model = spec.build()
+        if not isinstance(model, RewardModel):
+            raise TypeError(f"plug-in reward kind {spec.kind!r}: {type(spec).__name__}.build() returned "
+                            f"{type(model).__name__}, which lacks the RewardModel interface (`name`, `score`, "
+                            "`health_probe`; reward/base.py)")
+        return model
     raise ValueError(f"unknown reward model spec {spec!r}")

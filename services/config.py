@@ -10,6 +10,7 @@ import yaml
 from pydantic import Field, PrivateAttr, ValidationError, field_validator, model_validator
 
 from steadyrl.rollout.config import DEFAULT_SAMPLER_KIND, DDIMSamplerConfig, SamplerConfig
+from steadyrl.rollout.plugins import check_plugins
 from steadyrl.rollout.settings_base import ConfigError, StrictModel  # noqa: F401 - ConfigError: raised here
 from steadyrl.services.testbeds.registry import DEFAULT_TESTBED, TESTBED_SETTINGS
 from steadyrl.trainer.anomaly import AnomalyConfig
@@ -403,7 +404,9 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
     """Load a YAML preset (default: configs/digits-grpo.yaml), apply overrides, validate.
 
     Overrides that switch `objective.name`, `sampler.kind` or `testbed.name` apply first and reset that section,
-    so `objective.name=gardo.paper objective.kl_coef=0.01` gives GARDO's defaults plus that one change."""
+    so `objective.name=gardo.paper objective.kl_coef=0.01` gives GARDO's defaults plus that one change.
+    An installed plug-in package that could not join (rollout/plugins.py) is an error here, before anything else."""
+    check_plugins()
     tree = read_tree(Path(path) if path is not None else DEFAULT_CONFIG)
     parsed = [("testbed.name", v) if k == "testbed" and isinstance(v, str) else (k, v)  # testbed=arith
               for k, v in map(parse_override, overrides)]

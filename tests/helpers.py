@@ -7,6 +7,7 @@ stays cheap for the tests that run without Ray.
 from __future__ import annotations
 
 import json
+import re
 import threading
 import time
 from contextlib import contextmanager
@@ -20,6 +21,34 @@ from steadyrl.rollout.config import (DDIMSamplerConfig, FlowSDESamplerConfig, Ma
                                      SchedulerConfig, UNetConfig)
 from steadyrl.rollout.masked_lm import MaskedLMConfig
 from steadyrl.trainer.config import LearnerConfig
+
+# ------------------------------------------------------------------------------- docs' examples
+_FENCE = re.compile(r"^```[^\n]*\n(.*?)^```", re.MULTILINE | re.DOTALL)
+_FILE_MARKER = re.compile(r"^(?:#|//) ([\w./-]+\.\w+)$")
+
+
+def doc_files(markdown: Path) -> dict[str, str]:
+    """{file name: text} of a Markdown page's fenced blocks whose first line names a file, `# path/name.ext` (or
+    `// path/name.ext`), so a test can write and run a page's examples as they are printed; the marker line is
+    kept (a comment in each of those languages). A name given twice is an error."""
+    files: dict[str, str] = {}
+    for block in _FENCE.findall(Path(markdown).read_text()):
+        marker = _FILE_MARKER.match(block.split("\n", 1)[0])
+        if marker is None:
+            continue
+        name = marker.group(1)
+        assert name not in files, f"{markdown}: two blocks are named {name}"
+        files[name] = block
+    return files
+
+
+def write_files(root: Path, files: dict[str, str]) -> Path:
+    """`files` ({relative path: text}) written under `root`; returns `root`."""
+    for name, text in files.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text(text)
+    return root
+
 
 # ------------------------------------------------------------------------------- runs of the real services
 # The short smoke run that the resume, fault-tolerance and weight-sync tests each compare their run with.

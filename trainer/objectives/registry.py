@@ -1,8 +1,11 @@
-"""The objective registry: each objective class registers under its name with its own settings."""
+"""The objective registry: each objective class registers under its name with its own settings; installed plug-in
+packages add theirs (`register_plugins`)."""
 from __future__ import annotations
 
+import inspect
 from typing import Callable, TypeVar
 
+from steadyrl.rollout.plugins import describe, load_plugins
 from steadyrl.trainer.objectives.base import Objective, ObjectiveSettings
 
 _REGISTRY: dict[str, type[Objective]] = {}
@@ -22,6 +25,28 @@ def register(name: str) -> Callable[[O], O]:
         return cls
 
     return deco
+
+
+def _not_an_objective(name: str, obj: object) -> str | None:
+    """Why an entry point of `steadyrl.objectives` cannot be objective `name` (None: it can)."""
+    if not (isinstance(obj, type) and issubclass(obj, Objective)):
+        return f"{describe(obj)} is not an Objective subclass (trainer/objectives/base.py)"
+    settings = getattr(obj, "Settings", None)
+    if not (isinstance(settings, type) and issubclass(settings, ObjectiveSettings)):
+        return f"{obj.__name__}.Settings must be an ObjectiveSettings subclass"
+    if settings.model_fields["name"].default != name:
+        return f"{obj.__name__}.Settings must declare `name: Literal[{name!r}] = {name!r}` (the entry point's name)"
+    if inspect.isabstract(obj):
+        return f"{obj.__name__} leaves abstract methods unimplemented: {sorted(obj.__abstractmethods__)}"
+    return None
+
+
+def register_plugins() -> None:
+    """Register the objectives of installed plug-in packages (entry point group `steadyrl.objectives`, each naming
+    an Objective subclass by its objective name); `trainer/objectives/__init__.py` calls this after the built-ins."""
+    for name, cls in load_plugins("steadyrl.objectives", "objective", _REGISTRY, _not_an_objective).items():
+        if _REGISTRY.get(name) is not cls:  # a class that `@register`s itself is already in
+            register(name)(cls)
 
 
 def objective_class(name: str) -> type[Objective]:

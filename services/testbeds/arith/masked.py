@@ -64,8 +64,8 @@ class ArithSettings(TestbedSettings):
     eval_problems: int = Field(200, ge=1, description="held-out problems per evaluation (greedy decoding)")
     functions: list[UserRewardSpec] = Field(
         default_factory=list, description="your own rewards beside the verifier: functions (kind python, "
-        "reward/python_reward.py: called with the completions, their prompts and reference answers as text) or "
-        "remote scorers (kind http, reward/http_reward.py)")
+        "reward/python_reward.py: called with the completions, their prompts and reference answers as text), "
+        "remote scorers (kind http, reward/http_reward.py) or an installed plug-in package's reward kinds")
     train_on: str = Field("verifier", description="what trains: 'verifier', a function's name, 'mean' of them all, "
                           "or 'weighted' (`weighting`); the exact-match verdict always watches")
     weighting: RewardWeighting | None = Field(None, description="train_on 'weighted': the verifier's and functions' "
