@@ -189,6 +189,28 @@ def eval_cmd(
                   f"samples: {Path(res['checkpoint']).parents[1] / ('eval_' + Path(res['checkpoint']).name)}/")
 
 
+@app.command("export")
+def export_cmd(
+    run_dir: Path = typer.Argument(..., help="a run folder written by `steadyrl train`"),
+    out: Path = typer.Argument(..., help="the folder to write (new or empty)"),
+    step: Optional[int] = typer.Option(None, help="checkpoint step (default: the latest)"),
+    merge: bool = typer.Option(False, help="LoRA: fuse the adapters into a whole model folder instead of writing "
+                               "the adapters alone"),
+    overwrite: bool = typer.Option(False, help="replace OUT when it is not empty"),
+) -> None:
+    """Export a checkpoint in the format diffusers, transformers, peft or vLLM loads, with a model card."""
+    from steadyrl.services.driver.export import ExportError, export_run
+    from steadyrl.services.run_folder.reader import NotARunFolder
+
+    command = " ".join(["steadyrl", *sys.argv[1:]]) if sys.argv[1:2] == ["export"] else "steadyrl export"
+    try:
+        folder, info = export_run(run_dir, out, step, merge, overwrite, command=command)
+    except (ExportError, NotARunFolder, NotImplementedError) as err:
+        _fail(str(err))
+    console.print(f"{folder}: {info.format}", soft_wrap=True, highlight=False, markup=False)
+    console.print(info.load.replace("{path}", str(folder)), soft_wrap=True, highlight=False, markup=False)
+
+
 def _hacking_rule(min_proxy_gain: float, min_gold_drop: float, max_diversity_drop: float):
     """The verdict's thresholds from the command line; a bad one fails naming its option."""
     from pydantic import ValidationError

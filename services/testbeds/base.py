@@ -15,6 +15,7 @@ from steadyrl.services.testbeds.settings import TestbedSettings
 
 if TYPE_CHECKING:
     from steadyrl.services.config import TrainConfig
+    from steadyrl.services.run_folder.model_card import ExportInfo
 
 
 class Testbed(ABC):
@@ -49,6 +50,13 @@ class Testbed(ABC):
         """What a rollout worker samples with: the policy on `device`, unless the testbed's sampler backend holds
         one of its own (an inference engine, which then loads every weight sync)."""
         return self.build_policy(weights).to(device)
+
+    def export(self, policy: nn.Module, out: Path, merge: bool = False) -> "ExportInfo":
+        """Write `policy` (a checkpoint's, from `build_policy`) into the empty folder `out` in the format its
+        ecosystem loads (`steadyrl export`, services/driver/export.py): LoRA adapters as peft / diffusers read them
+        (`merge`: fused into a whole model folder), a whole model as `save_pretrained` writes it; returns what it
+        wrote, for the model card."""
+        raise NotImplementedError(f"testbed {self.name!r} has no export yet")
 
     def preflight(self) -> None:
         """Checks that need the testbed built (token ids, prompt lengths), run before Ray starts: a bad setting
