@@ -239,7 +239,8 @@ def source_copy(dest: Path) -> Path:
     import tomllib
 
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())
-    for folder in sorted(set(project["tool"]["setuptools"]["package-dir"].values())):
+    folders = sorted(set(project["tool"]["setuptools"]["package-dir"].values()))
+    for folder in [f for f in folders if not any(f.startswith(g + "/") for g in folders)]:  # services/api: in services
         shutil.copytree(ROOT / folder, dest / folder, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
     for name in ("pyproject.toml", project["project"]["readme"]):
         shutil.copy2(ROOT / name, dest / name)
