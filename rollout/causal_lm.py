@@ -114,17 +114,21 @@ def write_hf_checkpoint(net: nn.Module, directory: Path, generation: dict[str, A
 
 
 def write_peft_adapter(adapters: dict[str, Tensor], rank: int, alpha: float, targets: list[str],
-                       directory: Path) -> Path:
+                       directory: Path, base_model: str | None = None, task_type: str | None = "CAUSAL_LM",
+                       dropout: float = 0.0) -> Path:
     """LoRA adapters (keys as our policies name them: `<module>.lora_A.default.weight`) as a PEFT adapter directory
     (adapter_config.json + adapter_model.safetensors, keys `base_model.model.<module>.lora_A.weight`), the format
-    vLLM's LoRA loader reads."""
+    vLLM's LoRA loader and `peft.PeftModel.from_pretrained(base, directory)` read. `base_model`: the hub id or
+    directory adapter_config.json names as `base_model_name_or_path`; `task_type`: peft's (None: a plain
+    `PeftModel`, for models that are not causal LMs)."""
     from safetensors.torch import save_file
 
     directory.mkdir(parents=True, exist_ok=True)
     renamed = {"base_model.model." + k.replace(".default.", "."): v.detach().float().contiguous().cpu()
                for k, v in adapters.items()}
-    save_file(renamed, str(directory / "adapter_model.safetensors"))
+    save_file(renamed, str(directory / "adapter_model.safetensors"), metadata={"format": "pt"})
     config = {"peft_type": "LORA", "r": rank, "lora_alpha": alpha, "target_modules": targets, "bias": "none",
-              "lora_dropout": 0.0, "task_type": "CAUSAL_LM", "use_rslora": False, "use_dora": False}
+              "lora_dropout": dropout, "task_type": task_type, "use_rslora": False, "use_dora": False,
+              **({} if base_model is None else {"base_model_name_or_path": base_model})}
     (directory / "adapter_config.json").write_text(json.dumps(config))
     return directory

@@ -32,7 +32,7 @@ from steadyrl.services.run_folder.checkpoints import checkpoint_steps, latest_ch
 from steadyrl.services.run_folder.metrics import read_metrics
 from steadyrl.services.run_folder.reader import check_run_folder, read_evals
 from steadyrl.services.testbeds import build_testbed
-from steadyrl.services.testbeds.base import Testbed
+from steadyrl.services.testbeds.base import PromptError, Testbed
 
 RUNTIMES = ("ray", "local")
 
@@ -45,9 +45,20 @@ class Samples:
     images: Tensor | None  # image testbeds: [N, C, H, W] as the reward models score them (text-to-image: decoded)
     texts: list[str] | None  # language-model testbeds: the decoded completions
     batch: RolloutBatch = field(repr=False)  # the sampler's own: samples (images, latents, tokens), log-probs, groups
+    per_prompt: int = 1  # n: samples of each prompt
+    step: int | None = None  # the checkpoint's step
+    title: str = ""  # "<run folder name> step_N, seed S, n per prompt": the grid's title, the text file's header
 
     def __len__(self) -> int:
         return len(self.prompts)
+
+    def save(self, path: str | Path) -> Path:
+        """Write the samples as `steadyrl sample` does (services/driver/samples.py): images as a PNG grid (a row
+        per prompt, its n samples across, labelled), texts as a text file (each prompt, then its completions).
+        `path`: a .png / .txt file, or a folder (`samples_step_N.png` / `.txt` in it); returns the file."""
+        from steadyrl.services.driver.samples import save_samples
+
+        return save_samples(self, path)
 
     def __repr__(self) -> str:
         what = (f"images {list(self.images.shape)}" if self.images is not None else f"{len(self.texts or [])} texts")
@@ -95,26 +106,58 @@ class Run:
         return checkpoint_policy(self.testbed, checkpoint_dir(self.folder, step))
 
     def sample(self, n: int = 1, *, seed: int = 0, step: int | None = None,
-               prompts: Tensor | Sequence[int] | None = None) -> Samples:
+               prompts: Tensor | Sequence[int] | str | Sequence[str] | None = None,
+               steps: int | None = None) -> Samples:
         """`n` samples of each prompt from checkpoint `step` (default: the last), drawn as `steadyrl eval` draws
         them: the testbed's evaluation sampler (greedy for the language models), seeded with `seed`. `prompts`:
-        prompt ids as the testbed takes them (digits: class ids 0-9); default its held-out evaluation prompts."""
+        prompt ids as the testbed takes them (digits: class ids 0-9), or prompt text, one string or a list
+        (`Testbed.prompts_from_text`: digits "3" or "0,1,2", arith "07+45=", a text-to-image prompt); default its
+        held-out evaluation prompts. `steps`: the sampler's denoising steps (`sampler.num_steps`) instead of the
+        run's. `.save(path)` writes them as `steadyrl sample` does."""
+        if n < 1:
+            raise ValueError(f"n={n}: at least one sample of each prompt")
         ckpt = checkpoint_dir(self.folder, step)
         key = (ckpt, (ckpt / "policy.safetensors").stat().st_mtime_ns)
         if getattr(self, "_policy_key", None) != key:  # one policy kept: sampling again does not rebuild it
             self._policy, self._policy_key = checkpoint_policy(self.testbed, ckpt), key
-        testbed, policy = self.testbed, self._policy
-        batch = seeded_samples(testbed, policy, testbed.eval_prompts() if prompts is None else torch.as_tensor(prompts),
-                               n, seed)
+        testbed, policy = self._sampling_testbed(steps), self._policy
+        batch = seeded_samples(testbed, policy, prompt_ids(testbed, prompts), n, seed)
         shown, outputs = testbed.readable(policy, batch)
         images = outputs if isinstance(outputs, Tensor) else None
-        return Samples(shown, images, None if images is not None else list(outputs), batch)
+        title = f"{self.folder.name} {ckpt.name}, seed {seed}, {n} per prompt" + (f", {steps} steps" if steps else "")
+        return Samples(shown, images, None if images is not None else list(outputs), batch, n,
+                       int(ckpt.name.removeprefix("step_")), title)
+
+    def _sampling_testbed(self, steps: int | None) -> Testbed:
+        """The run's testbed, or with `steps` one whose sampler takes that many steps (kept for the next call)."""
+        if steps is None or steps == self.config.sampler.num_steps:
+            return self.testbed
+        kept = self.__dict__.setdefault("_testbeds", {})
+        if steps not in kept:  # validated as an override would be: a ConfigError names sampler.num_steps
+            kept[steps] = build_testbed(load_config(self.folder / "config.yaml", [f"sampler.num_steps={steps}"]))
+        return kept[steps]
 
     def __repr__(self) -> str:
         rows, last, cfg = self.metrics, self.last_checkpoint, self.config
         return (f"Run({str(self.folder)!r}: {cfg.testbed.name}, {cfg.objective.name}, "
                 f"{int(rows[-1]['step']) if rows else 0}/{cfg.run.steps} steps, "
                 f"last checkpoint {last.name if last else None})")
+
+
+def prompt_ids(testbed: Testbed, prompts: Tensor | Sequence[int] | str | Sequence[str] | None) -> Tensor:
+    """The testbed's prompt ids of `prompts` (`Run.sample`): its held-out ones for None, ids as given, or prompt
+    text through `Testbed.prompts_from_text` (a `PromptError` names one it cannot take)."""
+    if prompts is None:
+        return testbed.eval_prompts()
+    if isinstance(prompts, str):
+        prompts = [prompts]
+    if not isinstance(prompts, Tensor) and any(isinstance(p, str) for p in prompts):
+        if not all(isinstance(p, str) for p in prompts):
+            raise PromptError(f"prompts={list(prompts)!r}: all ids or all text, not both")
+        prompts = testbed.prompts_from_text(list(prompts))
+    if len(prompts) == 0:
+        raise PromptError("prompts: none given")
+    return torch.as_tensor(prompts)
 
 
 def load_run(path: str | Path) -> Run:

@@ -189,6 +189,46 @@ def eval_cmd(
                   f"samples: {Path(res['checkpoint']).parents[1] / ('eval_' + Path(res['checkpoint']).name)}/")
 
 
+@app.command("sample")
+def sample_cmd(
+    run_dir: Path = typer.Argument(..., help="a run folder written by `steadyrl train`"),
+    out: Path = typer.Argument(..., help="a .png (image testbeds) or .txt (language models) file, or a folder "
+                               "(samples_step_N.png / .txt in it)"),
+    prompts: Optional[str] = typer.Option(None, help="a .txt (one a line) or .jsonl (\"prompt\" a line) prompts "
+                                          "file, or a prompt's text: digits \"3\" or \"0,1,2\", arith \"07+45=\", "
+                                          "a text-to-image prompt (default: the held-out evaluation prompts)"),
+    step: Optional[int] = typer.Option(None, help="checkpoint step (default: the latest)"),
+    n: int = typer.Option(4, "--n", min=1, help="samples of each prompt (a grid row, or a prompt's completions)"),
+    seed: int = typer.Option(0, help="generator seed: the same seed draws the same samples"),
+    steps: Optional[int] = typer.Option(None, min=1, help="denoising steps (sampler.num_steps; default the run's)"),
+) -> None:
+    """Sample a checkpoint's policy (its evaluation sampler, seeded) and write the samples to look at: a PNG grid
+    (a row per prompt, its samples across) or a text file (each prompt, then its completions)."""
+    from steadyrl.services.driver.api import load_run
+    from steadyrl.services.driver.samples import SUFFIXES, read_prompts
+    from steadyrl.services.run_folder.reader import NotARunFolder
+    from steadyrl.services.testbeds.base import PromptError
+
+    if out.suffix and not out.is_dir() and out.suffix.lower() not in SUFFIXES:
+        _fail(f"{out}: samples are written as a {' or '.join(SUFFIXES)} file, or into a folder")
+    try:
+        run = load_run(run_dir)
+        texts = None if prompts is None else read_prompts(prompts)
+        if not run.checkpoints:
+            _fail(f"{run_dir} has no checkpoints (checkpoints/step_N): train it until `run.checkpoint_every`")
+        if step is not None and step not in run.checkpoints:
+            _fail(f"--step {step}: {run_dir} has no checkpoint of that step; it has steps {run.checkpoints}")
+        samples = run.sample(n, seed=seed, step=step, prompts=texts, steps=steps)
+    except (NotARunFolder, PromptError, ConfigError) as err:
+        _fail(str(err))
+    try:
+        path = samples.save(out)
+    except ValueError as err:  # OUT's suffix does not fit the samples: .png for images, .txt for texts
+        _fail(str(err))
+    console.print(f"{path}: {len(samples)} samples ({samples.per_prompt} of each of {len(samples) // n} prompts)",
+                  soft_wrap=True, highlight=False, markup=False)
+
+
 @app.command("export")
 def export_cmd(
     run_dir: Path = typer.Argument(..., help="a run folder written by `steadyrl train`"),
@@ -197,6 +237,9 @@ def export_cmd(
     merge: bool = typer.Option(False, help="LoRA: fuse the adapters into a whole model folder instead of writing "
                                "the adapters alone"),
     overwrite: bool = typer.Option(False, help="replace OUT when it is not empty"),
+    push_to_hub: Optional[str] = typer.Option(None, "--push-to-hub", metavar="REPO",
+                                              help="then upload OUT to this Hugging Face Hub model repository "
+                                              "(made if missing; needs the network: HF_HUB_OFFLINE=0, and a token)"),
 ) -> None:
     """Export a checkpoint in the format diffusers, transformers, peft or vLLM loads, with a model card."""
     from steadyrl.services.driver.export import ExportError, export_run
@@ -209,6 +252,22 @@ def export_cmd(
         _fail(str(err))
     console.print(f"{folder}: {info.format}", soft_wrap=True, highlight=False, markup=False)
     console.print(info.load.replace("{path}", str(folder)), soft_wrap=True, highlight=False, markup=False)
+    if push_to_hub is not None:
+        _push(folder, push_to_hub)
+
+
+def _push(folder: Path, repo: str) -> None:
+    """`export --push-to-hub REPO`: the complete export folder uploaded; a failure says the folder is intact."""
+    from steadyrl.services.driver.export import ExportError, push_to_hub
+
+    try:
+        url = push_to_hub(folder, repo)
+    except ExportError as err:
+        _fail(f"{err}. {folder} is complete.")
+    except Exception as err:  # huggingface_hub's: no token, no such user, no network, ...
+        _fail(f"--push-to-hub {repo}: the upload failed ({type(err).__name__}: {err}). {folder} is complete: "
+              f"upload it with `hf upload {repo} {folder}`")
+    console.print(f"pushed to {url}", soft_wrap=True, highlight=False, markup=False)
 
 
 def _hacking_rule(min_proxy_gain: float, min_gold_drop: float, max_diversity_drop: float):

@@ -10,6 +10,7 @@ import os
 import shutil
 from pathlib import Path
 
+from steadyrl.rollout.model_sources import ModelsUnavailable, check_model_sources
 from steadyrl.services.config import load_config
 from steadyrl.services.driver.evaluate import checkpoint_policy
 from steadyrl.services.run_folder.checkpoints import checkpoint_steps
@@ -50,6 +51,11 @@ def export_run(run_dir: str | Path, out: str | Path, step: int | None = None, me
     check_out(out, overwrite)
     cfg = load_config(run_dir / "config.yaml")
     testbed = build_testbed(cfg)
+    try:  # the base a checkpoint's policy (and a merge) is built on: missing offline, an error naming it
+        check_model_sources(testbed.export_sources())
+    except ModelsUnavailable as err:
+        raise ExportError(f"{run_dir} cannot be exported on this machine: the checkpoint's policy is built on its base "
+                          f"model (a merge fuses into it), and {err}") from None
     policy = checkpoint_policy(testbed, run_dir / "checkpoints" / f"step_{step}")
     out.parent.mkdir(parents=True, exist_ok=True)
     partial = out.parent / f".{out.name}.partial-{os.getpid()}"
@@ -69,3 +75,29 @@ def export_run(run_dir: str | Path, out: str | Path, step: int | None = None, me
         shutil.rmtree(partial, ignore_errors=True)
         raise
     return out, info
+
+
+OFFLINE_VALUES = ("1", "on", "yes", "true")
+
+
+def hub_offline() -> bool:
+    """HF_HUB_OFFLINE set (the `steadyrl` CLI sets it to 1 unless told otherwise), as huggingface_hub reads it."""
+    return os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in OFFLINE_VALUES
+
+
+def push_to_hub(folder: Path, repo_id: str) -> str:
+    """Upload an exported `folder` to the model repository `repo_id` on the Hugging Face Hub (made if missing):
+    huggingface_hub's `create_repo(exist_ok=True)` and `upload_folder`, with its token (HF_TOKEN, or
+    `hf auth login`). An `ExportError` when HF_HUB_OFFLINE is set, before any connection; returns the commit's
+    URL."""
+    if hub_offline():
+        raise ExportError(f"--push-to-hub {repo_id} needs the network, and HF_HUB_OFFLINE="
+                          f"{os.environ['HF_HUB_OFFLINE']} is set (the steadyrl CLI sets HF_HUB_OFFLINE=1 unless "
+                          f"told otherwise): run with HF_HUB_OFFLINE=0, or upload the folder later with "
+                          f"`hf upload {repo_id} {folder}`")
+    from huggingface_hub import HfApi
+
+    api = HfApi()
+    api.create_repo(repo_id, repo_type="model", exist_ok=True)
+    return str(api.upload_folder(folder_path=str(folder), repo_id=repo_id, repo_type="model",
+                                 commit_message=f"steadyrl export of {folder.name}"))

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+import textwrap
 from pathlib import Path
 from typing import Any
 
@@ -14,22 +15,41 @@ import torch  # noqa: E402
 from steadyrl.rollout.digits import to_unit_range  # noqa: E402
 
 
-def save_sample_grid(grid: torch.Tensor, path: Path, title: str, per_class_acc: list[float] | None = None) -> None:
-    """grid [classes, n, 1, H, W] -> one row per class, labelled with the gold accuracy."""
+GRID_DPI = 90  # sample grids' resolution: pixels per inch of `grid_figsize`
+
+
+def grid_figsize(rows: int, columns: int, side: int = 8, labels: list[str] | None = None) -> tuple[float, float]:
+    """A sample grid's figure size in inches: 0.6 a cell for 8x8 digits (1.6 for larger images), with room on
+    the left for the row labels."""
+    cell = 0.6 if side <= 16 else 1.6
+    label = 1.2 if labels is None or max(map(len, labels)) <= 8 else 2.2
+    return columns * cell + label, rows * cell + 0.6
+
+
+def save_sample_grid(grid: torch.Tensor, path: Path, title: str, per_class_acc: list[float] | None = None,
+                     labels: list[str] | None = None) -> None:
+    """grid [rows, n, C, H, W] (C = 1: grey digits; C = 3: RGB) in model space -> one row per class (or prompt),
+    labelled with the class (`labels`: each row's own, a class or a prompt) and the gold accuracy if given."""
     classes, n = grid.shape[:2]
     imgs = to_unit_range(grid)
-    fig, axes = plt.subplots(classes, n, figsize=(n * 0.6 + 1.2, classes * 0.6 + 0.6), squeeze=False)
+    fig, axes = plt.subplots(classes, n, figsize=grid_figsize(classes, n, grid.shape[-1], labels), squeeze=False)
     for c in range(classes):
         for j in range(n):
             ax = axes[c][j]
-            ax.imshow(imgs[c, j, 0].numpy(), cmap="gray_r", vmin=0, vmax=1, interpolation="nearest")
+            if imgs.shape[2] == 3:
+                ax.imshow(imgs[c, j].permute(1, 2, 0).numpy(), interpolation="nearest")
+            else:
+                ax.imshow(imgs[c, j, 0].numpy(), cmap="gray_r", vmin=0, vmax=1, interpolation="nearest")
             ax.set_xticks([])
             ax.set_yticks([])
-        label = f"{c}" if per_class_acc is None else f"{c}: {per_class_acc[c]:.0%}"
-        axes[c][0].set_ylabel(label, rotation=0, labelpad=18, fontsize=8, va="center")
+        label = f"{c}" if labels is None else textwrap.fill(labels[c], 16)
+        label = label if per_class_acc is None else f"{label}: {per_class_acc[c]:.0%}"
+        short = "\n" not in label and len(label) <= 8  # a class: as the eval grids have it; a prompt: wrapped
+        axes[c][0].set_ylabel(label, rotation=0, labelpad=18 if short else 6, fontsize=8 if short else 6,
+                              va="center", ha="center" if short else "right")
     fig.suptitle(title, fontsize=9)
     fig.tight_layout()
-    fig.savefig(path, dpi=90)
+    fig.savefig(path, dpi=GRID_DPI)
     plt.close(fig)
 
 

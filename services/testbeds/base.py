@@ -18,6 +18,10 @@ if TYPE_CHECKING:
     from steadyrl.services.run_folder.model_card import ExportInfo
 
 
+class PromptError(ValueError):
+    """A prompt (or prompts file) a testbed cannot take; the message names it."""
+
+
 class Testbed(ABC):
     """One testbed of a run's config. Prompts are integer tensors: class ids [C] or prompt tokens [C, P].
 
@@ -57,6 +61,11 @@ class Testbed(ABC):
         (`merge`: fused into a whole model folder), a whole model as `save_pretrained` writes it; returns what it
         wrote, for the model card."""
         raise NotImplementedError(f"testbed {self.name!r} has no export yet")
+
+    def export_sources(self) -> list[tuple[str, str]]:
+        """(setting, hub id or directory) of the models an export loads to build the checkpoint's policy (its base),
+        checked by `steadyrl export` before anything is written; none by default."""
+        return []
 
     def preflight(self) -> None:
         """Checks that need the testbed built (token ids, prompt lengths), run before Ray starts: a bad setting
@@ -104,6 +113,12 @@ class Testbed(ABC):
     @abstractmethod
     def eval_prompts(self) -> Tensor:
         """The fixed held-out prompts of every evaluation."""
+
+    def prompts_from_text(self, texts: list[str]) -> Tensor:
+        """Prompt ids of prompts a person wrote (`steadyrl sample --prompts`, `Run.sample(prompts=[...])`), as
+        `eval_prompts` gives them: digits' class ids ("3", "0,1,2"), arith's problems encoded by its tokenizer, a
+        text-to-image prompt's id. A `PromptError` names a prompt the testbed cannot take."""
+        raise PromptError(f"testbed {self.name!r} does not take prompts as text")
 
     def sample_options(self, policy: nn.Module, prompts: Tensor) -> dict[str, Any]:
         """Extra keyword arguments of `sampler.sample` for these prompt ids (text-to-image: the prompts'

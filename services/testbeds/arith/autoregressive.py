@@ -38,6 +38,8 @@ class CausalLM(ModelFamily):
 
     cache_tag = "clm"
     weights_file = "causal_lm.safetensors"
+    peft_task_type = "CAUSAL_LM"
+    export_tags = ("text-generation",)
 
     def lora_targets(self, net: Any) -> list[str]:
         from steadyrl.rollout.causal_lm import causal_lora_targets
@@ -67,6 +69,17 @@ class CausalLM(ModelFamily):
 
         a = tb.settings
         return ensure_pretrained_causal_lm(tb.task, a.model, a.pretrain, progress)
+
+    def auto_class(self, tb: ArithTaskTestbed) -> str:
+        return "AutoModelForCausalLM"
+
+    def export_generation(self, tb: ArithTaskTestbed) -> dict[str, Any]:
+        """What transformers' `generate` and vLLM read: the completion length, EOS and pad ids, and the run's
+        temperature over the whole vocabulary (no top-k / top-p), or greedy decoding at temperature 0."""
+        s = tb.cfg.sampler
+        sampled = {"temperature": s.temperature, "top_k": 0, "top_p": 1.0} if s.temperature > 0 else {}
+        return {"max_new_tokens": s.gen_length, "eos_token_id": tb.codec.eos_id, "pad_token_id": tb.codec.pad_id,
+                "do_sample": s.temperature > 0, **sampled}
 
     def hf_config(self, tb: ArithTaskTestbed):
         """The tiny Llama's config, or the named model's."""

@@ -47,6 +47,7 @@ class BlockDiffusionLM(ModelFamily):
     cache_tag = "bdlm"
     weights_file = "block_diffusion_lm.safetensors"
     greedy_eval = False  # the training sampler's commits are argmaxes already (only the canvas noise is random, seeded)
+    export_tags = ("diffusion-lm", "block-diffusion")
 
     def lora_targets(self, net: Any) -> list[str]:
         from steadyrl.rollout.block_diffusion_lm import block_diffusion_lora_targets
@@ -103,6 +104,15 @@ class BlockDiffusionLM(ModelFamily):
         from steadyrl.rollout.vllm_diffusion import generation_config
 
         return generation_config(tb.cfg.sampler)
+
+    def auto_class(self, tb: ArithTaskTestbed) -> str:
+        return "AutoModelForImageTextToText"  # transformers registers DiffusionGemmaForBlockDiffusion there
+
+    def export_generation(self, tb: ArithTaskTestbed) -> dict[str, Any]:
+        """The sampler's settings as transformers' DiffusionGemmaGenerationConfig and vLLM read them
+        (`generation_config`), with the completion length, EOS and pad ids (the canvas length is the model config's)."""
+        return {**self.generation_config(tb), "max_new_tokens": tb.cfg.sampler.gen_length,
+                "eos_token_id": tb.codec.eos_id, "pad_token_id": tb.codec.pad_id}
 
     def engine(self, tb: ArithTaskTestbed, model: str, weights: dict[str, Tensor], targets: list[str] | None,
                device) -> nn.Module:

@@ -22,6 +22,10 @@ class ModelFamily:
     weights_file: ClassVar[str]
     #: evaluations decode at temperature 0 (else with the training sampler)
     greedy_eval: ClassVar[bool] = True
+    #: peft's task type of exported adapters (None: a plain `PeftModel`, for a model that is not a causal LM)
+    peft_task_type: ClassVar[str | None] = None
+    #: the model card's tags of an export (besides steadyrl's, the objective's and the testbed's)
+    export_tags: ClassVar[tuple[str, ...]] = ()
 
     def mask_token_id(self, tb: "ArithTaskTestbed") -> int | None:
         """The tokenizer's mask token (None: nothing is masked)."""
@@ -50,6 +54,15 @@ class ModelFamily:
     def sampler_options(self, tb: "ArithTaskTestbed") -> dict[str, Any]:
         """`build_sampler`'s arguments besides the config and the EOS and pad ids."""
         return {}
+
+    # ------------------------------------------------------------------ export (`steadyrl export`, export.py)
+    def auto_class(self, tb: "ArithTaskTestbed") -> str:
+        """The transformers Auto class that loads an exported model folder."""
+        raise NotImplementedError
+
+    def export_generation(self, tb: "ArithTaskTestbed") -> dict[str, Any]:
+        """generation_config.json of an export: the sampler settings the run used, with its EOS and pad ids."""
+        raise NotImplementedError
 
     # ------------------------------------------------------------------ an inference engine (sampler.backend=vllm)
     def hf_config(self, tb: "ArithTaskTestbed"):

@@ -132,6 +132,7 @@ class MaskedLM(ModelFamily):
 
     cache_tag = "mlm"
     weights_file = "masked_lm.safetensors"
+    export_tags = ("diffusion-lm", "masked-diffusion")
 
     def mask_token_id(self, tb: ArithTaskTestbed) -> int:
         from steadyrl.rollout.arith import TOKENIZER
@@ -172,6 +173,24 @@ class MaskedLM(ModelFamily):
 
     def sampler_options(self, tb: ArithTaskTestbed) -> dict[str, Any]:
         return {"mask_token_id": tb.mask_token_id}
+
+    def auto_class(self, tb: ArithTaskTestbed) -> str:
+        """AutoModelForMaskedLM, or the Auto class a named model loads with (LLaDA's remote code: its auto_map's)."""
+        from steadyrl.rollout.masked_lm import resolve_pretrained_masked_lm
+
+        a = tb.settings
+        return ("AutoModelForMaskedLM" if a.pretrained is None else
+                resolve_pretrained_masked_lm(a.pretrained, a.trust_remote_code)[1].__name__)
+
+    def export_generation(self, tb: ArithTaskTestbed) -> dict[str, Any]:
+        """The masked-diffusion sampler's settings under LLaDA's `generate` names (steps, gen_length, block_length,
+        temperature (left out at 0: greedy), cfg_scale, remasking), with the mask, EOS and pad ids."""
+        s = tb.cfg.sampler
+        return {"mask_token_id": tb.mask_token_id, "eos_token_id": tb.codec.eos_id, "pad_token_id": tb.codec.pad_id,
+                "max_new_tokens": s.gen_length, "gen_length": s.gen_length, "steps": s.num_steps,
+                "block_length": s.block_length or s.gen_length, "do_sample": s.temperature > 0,
+                **({"temperature": s.temperature} if s.temperature > 0 else {}), "cfg_scale": s.cfg_scale,
+                "remasking": s.remasking}
 
 
 class ArithTestbed(ArithTaskTestbed):

@@ -173,6 +173,17 @@ class ArithTaskTestbed(Testbed):
         targets = None if a.lora is None else a.lora.target_modules or self.family.lora_targets(self.hf_config)
         return self.family.engine(self, model, weights, targets, device)
 
+    def export(self, policy: nn.Module, out: Path, merge: bool = False):
+        """A transformers model folder, or LoRA adapters in peft's format (arith/export.py)."""
+        from steadyrl.services.testbeds.arith.export import export_language_model
+
+        return export_language_model(self, policy, out, merge)
+
+    def export_sources(self) -> list[tuple[str, str]]:
+        """`pretrained`, when set: the policy's base (the tiny base is built here)."""
+        a = self.settings
+        return [] if a.pretrained is None else [("testbed.pretrained", a.pretrained)]
+
     def max_model_len(self) -> int:
         """The engine's context: the tiny model's positions, or the longest prompt + sampler.gen_length."""
         a = self.settings
@@ -215,6 +226,32 @@ class ArithTaskTestbed(Testbed):
             return self.file_task.eval_prompts()
         return self.task.encode_prompts(self.task.problems(self.settings.eval_seed,
                                                            range(self.settings.eval_problems)), self.codec)
+
+    def prompts_from_text(self, texts: list[str]) -> Tensor:
+        """Problems written as text ("07+45="; task=file: a question, put in the model's chat template as its rows
+        are), encoded by the testbed's tokenizer and left-padded to one width."""
+        import torch
+
+        from steadyrl.rollout.task_file_dataset import chat_tokenizer
+        from steadyrl.rollout.task_file_reader import render_prompt
+        from steadyrl.services.testbeds.base import PromptError
+
+        a, codec, gen = self.settings, self.codec, self.cfg.sampler.gen_length
+        rows = []
+        for text in texts:
+            shown = (render_prompt(text, chat_tokenizer(codec), a.file.system_prompt) if a.task == "file" else text)
+            try:
+                ids = codec.encode(shown)
+            except ValueError as err:
+                raise PromptError(f"prompt {text!r} cannot be encoded: {err}") from None
+            if not ids:
+                raise PromptError(f"prompt {text!r} encodes to no tokens")
+            if a.pretrained is None and len(ids) + gen > a.model.max_positions:
+                raise PromptError(f"prompt {text!r} is {len(ids)} tokens: with sampler.gen_length={gen} it is longer "
+                                  f"than the model's testbed.model.max_positions={a.model.max_positions}")
+            rows.append(ids)
+        width = max(map(len, rows))
+        return torch.tensor([[codec.pad_id] * (width - len(r)) + r for r in rows], dtype=torch.long)
 
     # ------------------------------------------------------------------ rewards and evaluation
     def prepare_rewards(self, console=None) -> None:

@@ -16,7 +16,7 @@ from steadyrl.rollout.batch import RolloutBatch
 from steadyrl.rollout.config import SchedulerConfig, UNetConfig
 from steadyrl.rollout.digits import NUM_CLASSES
 from steadyrl.rollout.sampler_factory import build_sampler
-from steadyrl.services.testbeds.base import Testbed
+from steadyrl.services.testbeds.base import PromptError, Testbed
 from steadyrl.services.testbeds.digits.pretrain import PretrainConfig
 from steadyrl.services.testbeds.digits.rest import DigitsRequest, ScoreRequest
 from steadyrl.services.testbeds.rest import RestProfile
@@ -71,6 +71,36 @@ class DigitsTestbed(Testbed):
     def build_sampler(self):
         return build_sampler(self.cfg.sampler, self.settings.scheduler)
 
+    def export(self, policy: nn.Module, out: Path, merge: bool = False):
+        """The class-conditional UNet2DModel as diffusers saves it, its noise schedule (`scheduler/`: DDIM, or the
+        flow's FlowMatchEulerDiscreteScheduler at `sampler.shift`) and `sampling.json` (rollout/diffusers_export.py).
+        Nothing to merge: `merge` changes nothing."""
+        from diffusers import FlowMatchEulerDiscreteScheduler
+
+        from steadyrl.rollout.diffusers_export import class_unet_snippet, save_class_unet
+        from steadyrl.rollout.digits import IMAGE_SHAPE
+        from steadyrl.rollout.models import build_scheduler
+        from steadyrl.services.run_folder.model_card import ExportInfo
+
+        s, sampler = self.settings, self.cfg.sampler
+        flow = sampler.kind == "flow_sde"
+        scheduler = (FlowMatchEulerDiscreteScheduler(num_train_timesteps=s.scheduler.num_train_timesteps,
+                                                     shift=sampler.shift) if flow else build_scheduler(s.scheduler))
+        sampling = {"class_labels": f"class id c in 0..{s.model.num_classes - 1} enters as `class_labels=c` "
+                                    "(the digit itself)",
+                    "prediction": sampler.prediction, "timesteps": "scheduler.timesteps" + (
+                        " (sigma * num_train_timesteps)" if flow else ""),
+                    "sample_shape": list(IMAGE_SHAPE), "value_range": "[-1, 1]; pixels = (x + 1) / 2",
+                    "scheduler": type(scheduler).__name__, "trained_with_sampler": sampler.model_dump()}
+        save_class_unet(policy.net, scheduler, out, sampling)
+        kind = f"{'velocity (rectified flow)' if flow else 'epsilon'}-prediction"
+        return ExportInfo(
+            format=f"A class-conditional UNet2DModel ({kind}, {s.model.num_classes} classes as `class_labels`) as "
+            f"diffusers saves it, with its {type(scheduler).__name__} in scheduler/ and sampling.json",
+            library="diffusers", load=class_unet_snippet(type(scheduler).__name__, s.model.num_classes, IMAGE_SHAPE,
+                                                         sampler.num_steps),
+            tags=("diffusers", "class-conditional-image-generation", "digits"))
+
     def _classes(self, worker: int, n_workers: int) -> np.ndarray:
         return np.array_split(np.arange(NUM_CLASSES), n_workers)[worker]
 
@@ -80,6 +110,18 @@ class DigitsTestbed(Testbed):
 
     def eval_prompts(self) -> Tensor:
         return torch.arange(NUM_CLASSES)
+
+    def prompts_from_text(self, texts: list[str]) -> Tensor:
+        """Class ids written as text: "3", or several in one prompt, "0,1,2" (commas or spaces)."""
+        ids = []
+        for text in texts:
+            parts = text.replace(",", " ").split()
+            bad = [p for p in parts if not (p.isascii() and p.isdigit() and int(p) < NUM_CLASSES)]
+            if not parts or bad:
+                raise PromptError(f"prompt {text!r}: digits' prompts are class ids 0-{NUM_CLASSES - 1} (\"3\", "
+                                  f"\"0,1,2\"){f'; not {bad[0]!r}' if bad else ''}")
+            ids += [int(p) for p in parts]
+        return torch.tensor(ids, dtype=torch.long)
 
     @property
     def eval_per_prompt(self) -> int:

@@ -84,6 +84,7 @@ class TextToImageTestbed(Testbed):
         self._splits = None
         self._tools = None
         self.last_images: Tensor | None = None  # the images of the last `reward_inputs` call (eval pictures)
+        self._written: list[str] = []  # prompts from `prompts_from_text` in neither split: ids after both
 
     # ------------------------------------------------------------------ the model
     @property
@@ -155,6 +156,42 @@ class TextToImageTestbed(Testbed):
                              "sampler needs an epsilon-prediction model")
         return DDIMLogProbSampler(self.cfg.sampler, DDIMScheduler.from_config(sched))
 
+    # ------------------------------------------------------------------ export
+    def export_sources(self) -> list[tuple[str, str]]:
+        """The pipeline: the policy is rebuilt on it, and a merge fuses the adapters into it."""
+        return [("testbed.pretrained", self.settings.pretrained)]
+
+    def export(self, policy: nn.Module, out: Path, merge: bool = False):
+        """LoRA: the adapters as `pipe.load_lora_weights` reads them, the base named (`merge`: a whole pipeline with
+        them fused in); whole-denoiser training: a whole pipeline (rollout/diffusers_export.py gives each format)."""
+        from steadyrl.rollout import diffusers_export as dx
+        from steadyrl.services.run_folder.model_card import ExportInfo
+
+        s, info, family = self.settings, self.info, self.info.family
+        part, name = ("UNet" if family in ("sd", "sdxl") else "transformer"), dx.PIPELINE_CLASS[family]
+        call = {"num_inference_steps": self.cfg.sampler.num_steps, "guidance_scale": s.guidance_scale,
+                **({"negative_prompt": s.negative_prompt} if s.negative_prompt and family != "flux" else {}),
+                **({"height": s.resolution, "width": s.resolution} if s.resolution else {})}
+        tags = ("text-to-image", "diffusers", f"diffusers:{name}")
+        if s.lora is not None and not merge:
+            dx.save_lora(policy.net, family, out, s.pretrained)
+            return ExportInfo(
+                format=f"LoRA adapters (rank {s.lora.rank}, alpha {s.lora.alpha:g}) on the {part} of {name}, in "
+                "diffusers' format for `load_lora_weights` (pytorch_lora_weights.safetensors, peft's key names and "
+                "LoraConfig) with peft's adapter_config.json", library="diffusers",
+                load=dx.pipeline_snippet(info, s.pretrained, s.dtype, "{path}", call),
+                base_model=s.pretrained, tags=(*tags, "lora"))
+        if s.lora is not None:
+            dx.save_merged_pipeline(info, dx.save_lora(policy.net, family, out / ".adapters", s.pretrained).parent,
+                                    out, s.dtype)
+            what = f"the LoRA adapters (rank {s.lora.rank}, alpha {s.lora.alpha:g}) fused into its {part}"
+        else:
+            dx.save_full_pipeline(info, policy.net, out, s.dtype)
+            what = f"its {part} trained whole"
+        return ExportInfo(format=f"A whole {name} folder (`save_pretrained`), {what}", library="diffusers",
+                          load=dx.pipeline_snippet(info, "{path}", s.dtype, None, call), base_model=s.pretrained,
+                          tags=tags)
+
     # ------------------------------------------------------------------ prompts
     @property
     def splits(self):
@@ -166,12 +203,26 @@ class TextToImageTestbed(Testbed):
 
     def prompt_texts(self, ids: Tensor) -> list[str]:
         """Prompt strings of global ids (train split first, then held-out)."""
-        every = self.splits.train.prompts + self.splits.eval.prompts
+        every = self.splits.train.prompts + self.splits.eval.prompts + tuple(self._written)
         return [every[int(i)] for i in ids]
 
     def prompt_metadata(self, ids: Tensor) -> list[dict[str, Any]]:
-        every = self.splits.train.metadata + self.splits.eval.metadata
+        every = self.splits.train.metadata + self.splits.eval.metadata + tuple({} for _ in self._written)
         return [every[int(i)] for i in ids]
+
+    def prompts_from_text(self, texts: list[str]) -> Tensor:
+        """Ids of prompt strings: a prompt of either split keeps its id; another gets an id after both splits."""
+        from steadyrl.services.testbeds.base import PromptError
+
+        every = list(self.splits.train.prompts + self.splits.eval.prompts)
+        ids = []
+        for text in texts:
+            if not text.strip():
+                raise PromptError("an empty prompt: a text-to-image prompt is a non-empty string")
+            if text not in every + self._written:
+                self._written.append(text)
+            ids.append((every + self._written).index(text))
+        return torch.tensor(ids, dtype=torch.long)
 
     def train_prompts(self, worker: int, n_workers: int, step: int) -> tuple[Tensor, int]:
         from steadyrl.rollout.prompts import step_prompts
