@@ -12,6 +12,8 @@ The model's vision tower is part of the architecture but never sees an image her
 """
 from __future__ import annotations
 
+import re
+
 from typing import Any
 
 import torch
@@ -119,9 +121,12 @@ DEFAULT_LORA_TARGETS = {"diffusion_gemma": ["q_proj", "k_proj", "v_proj", "o_pro
                                             "down_proj"]}
 
 
-def block_diffusion_lora_targets(net) -> list[str]:
-    """The default LoRA target modules of a DiffusionGemma; the vision tower's are left out by the caller."""
-    return lora_targets_by_type(net, DEFAULT_LORA_TARGETS)
+def block_diffusion_lora_targets(net, names: list[str] | None = None) -> str:
+    """peft's regex (matched whole against each module's name) of the modules LoRA adapts in a DiffusionGemma:
+    `names`, module-name suffixes (None: the defaults above), outside the vision tower, whose projections are
+    wrapped linears peft cannot adapt and which never sees an image here."""
+    names = names or lora_targets_by_type(net, DEFAULT_LORA_TARGETS)
+    return rf"(?!.*(?:vision_tower|embed_vision)).*\.(?:{'|'.join(map(re.escape, names))})"
 
 
 def canvas_positions(prefix_attention: Tensor, canvas_length: int) -> Tensor:

@@ -30,17 +30,29 @@ def char_tokenizer(vocab: Sequence[str], pad: str, eos: str, mask: str | None = 
                                    **({} if mask is None else {"mask_token": mask}))
 
 
+class NotMergeable(ValueError):
+    """Adapters that no single set of merged weights reproduces."""
+
+
 def merge_lora(net: nn.Module) -> nn.Module:
     """`net` with every LoRA adapter (injected by peft, `rollout.lora.add_lora`) fused into its base layer by peft's
     own merge (W + alpha / r B A, in the base layer's dtype) and the plain layer put back: the architecture without
-    peft. In place; returns `net`."""
+    peft. In place; returns `net`. `NotMergeable`, before anything changes, where two adapted layers share one base
+    weight (a DiffusionGemma's decoder reuses its encoder's layers' weights): each use has its own B A, and one
+    merged W + B A cannot be both."""
     from peft.tuners.tuners_utils import BaseTunerLayer
 
-    for name, module in list(net.named_modules()):
-        if isinstance(module, BaseTunerLayer):
-            module.merge()
-            parent, _, attr = name.rpartition(".")
-            setattr(net.get_submodule(parent), attr, module.get_base_layer())
+    tuned = [(name, m) for name, m in net.named_modules() if isinstance(m, BaseTunerLayer)]
+    owners: dict[int, str] = {}
+    for name, module in tuned:
+        first = owners.setdefault(id(module.get_base_layer().weight), name)
+        if first != name:
+            raise NotMergeable(f"the adapted layers {first} and {name} share one base weight, each with its own "
+                               "adapters: no merged weight computes both")
+    for name, module in tuned:
+        module.merge()
+        parent, _, attr = name.rpartition(".")
+        setattr(net.get_submodule(parent), attr, module.get_base_layer())
     if hasattr(net, "peft_config"):  # the injection's record: the merged model has no adapters
         del net.peft_config
     return net

@@ -27,12 +27,13 @@ class LoRAConfig(StrictModel):
     init_seed: int = Field(0, description="seed of A's random initialisation (B starts at 0 whatever it is)")
 
 
-def add_lora(policy: AdaptableNetwork, cfg: LoRAConfig, default_targets: list[str]) -> AdaptableNetwork:
-    """Inject adapters into `policy.net` in place; freeze everything else; the policy then trains, syncs and
-    checkpoints only the adapters (`AdaptableNetwork.trained_keys`). The global RNG is left as it was."""
+def add_lora(policy: AdaptableNetwork, cfg: LoRAConfig, targets: list[str] | str) -> AdaptableNetwork:
+    """Inject adapters into `targets` of `policy.net` in place (peft's `target_modules`: module-name suffixes, or
+    a regex matched whole: the caller resolves `cfg.target_modules` against its family's default); freeze
+    everything else; the policy then trains, syncs and checkpoints only the adapters
+    (`AdaptableNetwork.trained_keys`). The global RNG is left as it was."""
     from peft import LoraConfig, inject_adapter_in_model
 
-    targets = cfg.target_modules or default_targets
     peft_cfg = LoraConfig(r=cfg.rank, lora_alpha=cfg.alpha, target_modules=targets, lora_dropout=cfg.dropout,
                           init_lora_weights=True)
     with torch.random.fork_rng(devices=[]):

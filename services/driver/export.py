@@ -10,6 +10,7 @@ import os
 import shutil
 from pathlib import Path
 
+from steadyrl.rollout.hf_export import NotMergeable
 from steadyrl.rollout.model_sources import ModelsUnavailable, check_model_sources
 from steadyrl.services.config import load_config
 from steadyrl.services.driver.evaluate import checkpoint_policy
@@ -62,7 +63,11 @@ def export_run(run_dir: str | Path, out: str | Path, step: int | None = None, me
     shutil.rmtree(partial, ignore_errors=True)
     partial.mkdir()
     try:
-        info = testbed.export(policy, partial, merge)
+        try:
+            info = testbed.export(policy, partial, merge)
+        except NotMergeable as err:
+            raise ExportError(f"--merge: in {run_dir}'s policy {err}; export the adapters (without --merge), "
+                              "which load over the base as trained") from None
         write_model_card(partial, cfg, read_evals(run_dir), step, info, command)
         if out.exists():  # empty, or --overwrite: the old folder goes only once the new one is complete
             old = out.parent / f".{out.name}.old-{os.getpid()}"

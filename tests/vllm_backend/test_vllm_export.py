@@ -18,22 +18,37 @@ SHORT = ["run.steps=2", "run.checkpoint_every=2", "run.eval_every=2", "testbed.e
          "learner.optim_batch_size=16"]
 
 
-@pytest.mark.parametrize("trained, merge", [([], False), (["testbed.lora.rank=4"], True)], ids=["full", "lora-merged"])
-def test_vllm_loads_the_whole_model_export_and_decodes_greedily_as_the_runs_policy(trained, merge, tmp_path):
+VARIANTS = {"full": ([], False), "lora-merged": (["testbed.lora.rank=4"], True)}
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory):
+    """Both runs trained, exported and sampled by steadyrl before any engine starts in this process: vLLM's
+    in-process engine leaves torch.distributed groups behind that a later DeepSpeed engine here cannot use."""
+    made = {}
+    for name, (trained, merge) in VARIANTS.items():
+        tmp = tmp_path_factory.mktemp(name)
+        result, _ = train_local(CONFIG_DIR / "arith-ar-grpo.yaml", tmp / "run", [*SHORT, *trained])
+        out, _ = export_run(result.run_dir, tmp / "export", merge=merge)
+        testbed = build_testbed(load_config(result.run_dir / "config.yaml"))
+        policy = checkpoint_policy(testbed, result.run_dir / "checkpoints" / "step_2")
+        problems = testbed.task.problems(testbed.settings.eval_seed, range(16))
+        ours = seeded_samples(testbed, policy, testbed.task.encode_prompts(problems, testbed.codec), 1,
+                              seed=0).samples  # greedy
+        made[name] = out, testbed, problems, ours
+    return made
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_vllm_loads_the_whole_model_export_and_decodes_greedily_as_the_runs_policy(variant, exported):
     """Every weight trained, or LoRA merged into the base (`--merge`): a plain LlamaForCausalLM folder either way."""
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
     from vllm import LLM, SamplingParams
 
-    result, _ = train_local(CONFIG_DIR / "arith-ar-grpo.yaml", tmp_path / "run", [*SHORT, *trained])
-    out, _ = export_run(result.run_dir, tmp_path / "export", merge=merge)
-    testbed = build_testbed(load_config(result.run_dir / "config.yaml"))
-    policy = checkpoint_policy(testbed, result.run_dir / "checkpoints" / "step_2")
+    out, testbed, problems, ours = exported[variant]
     codec, gen_length = testbed.codec, testbed.cfg.sampler.gen_length
-    problems = testbed.task.problems(testbed.settings.eval_seed, range(16))
-    ours = seeded_samples(testbed, policy, testbed.task.encode_prompts(problems, codec), 1, seed=0).samples  # greedy
-
     llm = LLM(str(out), dtype="float32", enforce_eager=True, max_model_len=testbed.settings.model.max_positions,
               seed=0)
     assert llm.get_default_sampling_params().max_tokens == gen_length  # generation_config.json's max_new_tokens

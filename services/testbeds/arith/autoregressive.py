@@ -41,10 +41,10 @@ class CausalLM(ModelFamily):
     peft_task_type = "CAUSAL_LM"
     export_tags = ("text-generation",)
 
-    def lora_targets(self, net: Any) -> list[str]:
+    def lora_targets(self, net: Any, named: list[str] | None) -> list[str]:
         from steadyrl.rollout.causal_lm import causal_lora_targets
 
-        return causal_lora_targets(net)
+        return named or causal_lora_targets(net)
 
     def load_pretrained(self, tb: ArithTaskTestbed, dtype=None) -> nn.Module:
         from steadyrl.rollout.causal_lm import load_pretrained_causal_lm

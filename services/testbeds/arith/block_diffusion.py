@@ -49,10 +49,10 @@ class BlockDiffusionLM(ModelFamily):
     greedy_eval = False  # the training sampler's commits are argmaxes already (only the canvas noise is random, seeded)
     export_tags = ("diffusion-lm", "block-diffusion")
 
-    def lora_targets(self, net: Any) -> list[str]:
+    def lora_targets(self, net: Any, named: list[str] | None) -> str:
         from steadyrl.rollout.block_diffusion_lm import block_diffusion_lora_targets
 
-        return block_diffusion_lora_targets(net)
+        return block_diffusion_lora_targets(net, named)
 
     def load_pretrained(self, tb: ArithTaskTestbed, dtype=None) -> nn.Module:
         from steadyrl.rollout.block_diffusion_lm import load_pretrained_block_diffusion_lm

@@ -71,7 +71,7 @@ def write_adapters(tb: "ArithTaskTestbed", policy: nn.Module, out: Path) -> Path
     from steadyrl.rollout.causal_lm import write_peft_adapter
 
     a, family = tb.settings, tb.family
-    targets = a.lora.target_modules or family.lora_targets(policy.net)
+    targets = family.lora_targets(policy.net, a.lora.target_modules)
     return write_peft_adapter(policy.trainable_state_dict(), a.lora.rank, a.lora.alpha, targets, out,
                               base_model=a.pretrained or BASE_FOLDER, task_type=family.peft_task_type,
                               dropout=a.lora.dropout)

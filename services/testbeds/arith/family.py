@@ -31,8 +31,9 @@ class ModelFamily:
         """The tokenizer's mask token (None: nothing is masked)."""
         return None
 
-    def lora_targets(self, net: Any) -> list[str]:
-        """The modules LoRA adapts unless `lora.target_modules` names them (`net`: the model or its config)."""
+    def lora_targets(self, net: Any, named: list[str] | None) -> list[str] | str:
+        """The modules LoRA adapts, as peft's `target_modules` (suffixes, or a regex): `named`
+        (`lora.target_modules`), else the family's default for `net` (the model or its config)."""
         raise NotImplementedError
 
     def load_pretrained(self, tb: "ArithTaskTestbed", dtype=None) -> nn.Module:

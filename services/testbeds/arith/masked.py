@@ -142,10 +142,10 @@ class MaskedLM(ModelFamily):
         return TOKENIZER.mask_token_id if a.pretrained is None else resolve_pretrained_masked_lm(
             a.pretrained, a.trust_remote_code)[2]
 
-    def lora_targets(self, net: nn.Module) -> list[str]:
+    def lora_targets(self, net: nn.Module, named: list[str] | None) -> list[str]:
         from steadyrl.rollout.masked_lm import lora_targets
 
-        return lora_targets(net)
+        return named or lora_targets(net)
 
     def load_pretrained(self, tb: ArithTaskTestbed, dtype=None) -> nn.Module:
         from steadyrl.rollout.masked_lm import load_pretrained_masked_lm

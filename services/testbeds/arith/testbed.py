@@ -124,7 +124,7 @@ class ArithTaskTestbed(Testbed):
 
         policy = LanguageModelPolicy(self._base_network())
         lora = self.settings.lora
-        return add_lora(policy, lora, lora.target_modules or self.family.lora_targets(policy.net))
+        return add_lora(policy, lora, self.family.lora_targets(policy.net, lora.target_modules))
 
     def _full_weights(self, progress: bool = True) -> Path:
         """The tiny model pre-trained here, or the named model's weights (copied once into the cache as
@@ -170,7 +170,7 @@ class ArithTaskTestbed(Testbed):
             net = self._base_network() if a.lora is not None else self.family.tiny_network(self, weights)
             model = str(write_hf_checkpoint(net, Path(tempfile.mkdtemp(prefix="steadyrl-vllm-model-")),
                                             self.family.generation_config(self)))
-        targets = None if a.lora is None else a.lora.target_modules or self.family.lora_targets(self.hf_config)
+        targets = None if a.lora is None else self.family.lora_targets(self.hf_config, a.lora.target_modules)
         return self.family.engine(self, model, weights, targets, device)
 
     def export(self, policy: nn.Module, out: Path, merge: bool = False):

@@ -105,7 +105,7 @@ class TextToImageTestbed(Testbed):
         policy = TextToImagePolicy(load_denoiser(self.settings.pretrained, family, self.settings.dtype), family,
                                    self.settings.guidance_scale)
         if self.settings.lora is not None:
-            add_lora(policy, self.settings.lora, DEFAULT_LORA_TARGETS[family])
+            add_lora(policy, self.settings.lora, self.settings.lora.target_modules or DEFAULT_LORA_TARGETS[family])
         if self.settings.autocast != "off":
             policy.autocast = getattr(torch, self.settings.autocast)
         return policy
