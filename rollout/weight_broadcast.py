@@ -14,6 +14,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from steadyrl.rollout.tcp_store import tcp_store
+
 
 class WeightBroadcastGroup:
     """One member of the broadcast group; `broadcast` on member 0, `receive` on every other, at the same time."""
@@ -24,7 +26,7 @@ class WeightBroadcastGroup:
             raise ValueError(f"weight broadcast backend must be gloo or nccl, got {backend!r}")
         timeout = timedelta(seconds=timeout_s)
         self.rank, self.size, self.backend = rank, size, backend
-        self.store = dist.TCPStore(master_addr, master_port, size, is_master=rank == 0, timeout=timeout)
+        self.store = tcp_store(master_addr, master_port, size, rank == 0, timeout)
         prefixed = dist.PrefixStore(tag, self.store)
         if backend == "nccl":
             self.device = torch.device("cuda", torch.cuda.current_device())

@@ -12,9 +12,10 @@ import torch
 from steadyrl.rollout.batch import RolloutBatch
 from steadyrl.services.config import TrainConfig
 from steadyrl.services.runtime.builders import build_learner
-from steadyrl.services.runtime.rank_env import set_rank_env
+from steadyrl.services.runtime.rank_env import join_process_group, set_rank_env
 from steadyrl.services.testbeds import build_testbed
 from steadyrl.trainer.controls import UpdateControls
+from steadyrl.trainer.deepspeed_config import communication_backend
 from steadyrl.trainer.learner import DeepSpeedLearner
 
 
@@ -47,6 +48,8 @@ def build_rank(cfg: TrainConfig, base_weights: dict[str, torch.Tensor], rank: in
     """Join the process group at (`master_addr`, `master_port`) (every rank at once) and build the engine for the
     run's policy from `base_weights`."""
     set_rank_env(master_port, rank, world_size, master_addr)
+    if not torch.distributed.is_initialized():
+        join_process_group(communication_backend(cfg.learner.backend), rank, world_size, master_addr, master_port)
     torch.manual_seed(cfg.run.seed)
     testbed = build_testbed(cfg)
     return build_learner(cfg, testbed.build_policy(base_weights).train(), testbed.build_sampler())

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import os
 import socket
+from datetime import timedelta
 
 import torch
 
 from steadyrl.rollout.cache import torch_extensions_dir
+from steadyrl.rollout.tcp_store import tcp_store
 from steadyrl.services.config import TrainConfig
 
 
@@ -23,6 +25,17 @@ def set_rank_env(master_port: int, rank: int = 0, world_size: int = 1, master_ad
     os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(torch_extensions_dir()))
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), MASTER_ADDR=master_addr,
                       MASTER_PORT=str(master_port))
+
+
+def join_process_group(backend: str, rank: int, world_size: int, master_addr: str, master_port: int,
+                       timeout_s: float = 1800.0) -> None:
+    """This process as `rank` of the default process group, met at rank 0's store on (`master_addr`,
+    `master_port`), listening on that address only (`rollout.tcp_store`); DeepSpeed then uses the group as it is."""
+    import torch.distributed as dist
+
+    timeout = timedelta(seconds=timeout_s)
+    store = tcp_store(master_addr, master_port, world_size, rank == 0, timeout)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
 
 
 def torch_threads(cfg: TrainConfig, cores: int | None = None) -> int:
