@@ -37,7 +37,9 @@ class HttpRewardSpec(HttpTransport):
                      "(http://host:8000/v1)")
     protocol: Literal["steadyrl", "flow_grpo", "openai_chat"] = Field(
         "steadyrl", description="the wire format (reward/http_protocols.py)")
-    batch_size: int = Field(32, ge=1, description="samples per request (a chat judge takes one per request)")
+    batch_size: int = Field(32, ge=1, description="samples per request (a chat judge takes one per request). A model's "
+                            "float sums can depend on its batch shape: scores match the same model in process bit "
+                            "for bit only when one request carries the whole batch")
     column: str = Field("reward", description="steadyrl: which column of the service's reply is the score: "
                         "'reward' (its training reward), 'mean', or a member's or monitor's name")
     allow_pickle: bool = Field(False, description="flow_grpo: must be true. Its reward servers reply with pickles, "
