@@ -130,6 +130,47 @@ def token_digest(token: str) -> str:
     return hashlib.sha256(token.encode()).hexdigest()
 
 
+RAY_BUILTIN_RESOURCES = ("CPU", "GPU", "memory", "object_store_memory")
+
+
+class RolePlacement(StrictModel):
+    """The nodes one role's actors may run on, in a cluster whose nodes are told apart by labels or resources."""
+
+    labels: dict[str, str] = Field(
+        default_factory=dict, description="node labels each of the role's actors needs on its node (Ray's label "
+        "selector: nodes started with `ray start --labels`, a KubeRay worker group's rayStartParams), e.g. "
+        "{steadyrl.io/role: rollout}; empty: any node")
+    resources: dict[str, float] = Field(
+        default_factory=dict, description="custom resources each of the role's actors asks for besides its CPUs "
+        "and GPUs (nodes started with `ray start --resources`), e.g. {rollout_node: 0.01}: only nodes that "
+        "declare them host the role, and their amount caps how many actors fit")
+
+    @field_validator("resources")
+    @classmethod
+    def _custom_only(cls, resources: dict[str, float]) -> dict[str, float]:
+        builtin = sorted(set(resources) & set(RAY_BUILTIN_RESOURCES))
+        if builtin:
+            raise ValueError(f"{builtin} are Ray's own resources, set by ray.actor_cpus / rollout_gpus / "
+                             "learner_gpus / serve.replica_cpus; name custom resources here")
+        if any(v <= 0 for v in resources.values()):
+            raise ValueError(f"amounts must be > 0, got {resources}")
+        return resources
+
+    def ray_options(self) -> dict[str, Any]:
+        """These as Ray actor options (`resources`, `label_selector`), only those set."""
+        return {**({"resources": dict(self.resources)} if self.resources else {}),
+                **({"label_selector": dict(self.labels)} if self.labels else {})}
+
+
+class Roles(StrictModel):
+    """Where each role runs on a cluster (`RolePlacement`); unset, Ray places every actor where it fits."""
+
+    rollout: RolePlacement = Field(default_factory=RolePlacement, description="the rollout workers")
+    learner: RolePlacement = Field(default_factory=RolePlacement, description="the DeepSpeed learner ranks")
+    reward: RolePlacement = Field(default_factory=RolePlacement, description="the Serve reward ensemble's "
+                                  "replicas (Serve's controller and HTTP proxy stay on the head node)")
+
+
 class RayConfig(StrictModel):
     address: str | None = Field(None, description="None: $RAY_ADDRESS or a new local Ray")
     num_cpus: int | None = Field(None, ge=1, description="for a new local Ray; None = all cores")
@@ -179,6 +220,9 @@ class RayConfig(StrictModel):
     max_rollout_retries: int = Field(3, ge=0, description="times one call is re-issued after its rollout worker "
                                      "died (Ray restarts the actor; it gets the current weights first, and its "
                                      "seeded sampling redraws the very same samples); past it the run fails")
+    roles: Roles = Field(default_factory=Roles, description="the nodes each role runs on, by node labels or "
+                         "custom resources: rollout workers, learner ranks and reward replicas on nodes of their "
+                         "own (docs/architecture.md, 'Across nodes')")
 
 
 class HealthConfig(StrictModel):

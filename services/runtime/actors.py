@@ -33,9 +33,11 @@ def setup_process(cfg: TrainConfig, log_file: Path) -> None:
 
 
 def actor_info(role: str, index: int) -> dict[str, Any]:
-    """Where this actor runs: role, index, pid, node and placement group (for the run folder's actors.json)."""
+    """Where this actor runs: role, index, pid, node (address and Ray's id) and placement group (for the run
+    folder's actors.json)."""
+    context = ray.get_runtime_context()
     return {"role": role, "index": index, "pid": os.getpid(), "node": ray.util.get_node_ip_address(),
-            "placement_group": ray.get_runtime_context().get_placement_group_id()}
+            "node_id": context.get_node_id(), "placement_group": context.get_placement_group_id()}
 
 
 @ray.remote(num_cpus=0)

@@ -73,7 +73,7 @@ class LearnerGroup:
         cfg_dict = cfg.model_dump(mode="json")
         self.placement, self.actors = place_actors(
             LearnerActor, n, cfg.ray.actor_cpus, cfg.ray.learner_gpus, cfg.ray.learner_placement, "steadyrl-learner",
-            cfg.ray.placement_timeout_s, lambda r: (cfg_dict, str(run_dir), r, n))
+            cfg.ray.placement_timeout_s, lambda r: (cfg_dict, str(run_dir), r, n), cfg.ray.roles.learner)
         # who takes part in gathering the weights: under ZeRO-3 every rank holds a shard, else rank 0 has them all
         self.gathering = self.actors if cfg.learner.zero_stage == 3 else self.actors[:1]
         self._base_weights = base_weights

@@ -9,12 +9,15 @@ from ray.actor import ActorClass, ActorHandle
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from steadyrl.services.config import RolePlacement
+
 
 def place_actors(actor: ActorClass, n: int, cpus: float, gpus: float, strategy: str, name: str, timeout_s: float,
-                 args: Callable[[int], tuple[Any, ...]], **options: Any) -> tuple[PlacementGroup, list[ActorHandle]]:
-    """`n` bundles reserved (`reserve_bundles`) and actor i = `actor(*args(i))` in bundle i, with `cpus`/`gpus`
-    and any further actor `options` (restarts, retries)."""
-    pg = reserve_bundles(n, cpus, gpus, strategy, name, timeout_s)
+                 args: Callable[[int], tuple[Any, ...]], role: RolePlacement | None = None,
+                 **options: Any) -> tuple[PlacementGroup, list[ActorHandle]]:
+    """`n` bundles reserved (`reserve_bundles`, on the nodes `role` names) and actor i = `actor(*args(i))` in
+    bundle i, with `cpus`/`gpus` and any further actor `options` (restarts, retries)."""
+    pg = reserve_bundles(n, cpus, gpus, strategy, name, timeout_s, role)
     actors = [actor.options(num_cpus=cpus, num_gpus=gpus, **options,
                             scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i),
                             ).remote(*args(i))
@@ -22,12 +25,16 @@ def place_actors(actor: ActorClass, n: int, cpus: float, gpus: float, strategy: 
     return pg, actors
 
 
-def reserve_bundles(n: int, cpus: float, gpus: float, strategy: str, name: str, timeout_s: float) -> PlacementGroup:
-    """A placement group of n bundles of `cpus` CPUs (and `gpus` GPUs when > 0), one actor each; waits until it
-    is reserved (`wait_for_placement`)."""
-    bundle = {"CPU": cpus, **({"GPU": gpus} if gpus else {})}
-    pg = placement_group([dict(bundle) for _ in range(n)], strategy=strategy, name=name)
-    wait_for_placement(pg, timeout_s, f"{n} bundle(s) of {bundle} for {name}")
+def reserve_bundles(n: int, cpus: float, gpus: float, strategy: str, name: str, timeout_s: float,
+                    role: RolePlacement | None = None) -> PlacementGroup:
+    """A placement group of n bundles of `cpus` CPUs (and `gpus` GPUs when > 0, and `role`'s custom resources),
+    one actor each, on nodes carrying `role`'s labels; waits until it is reserved (`wait_for_placement`)."""
+    role = role or RolePlacement()
+    bundle = {"CPU": cpus, **({"GPU": gpus} if gpus else {}), **role.resources}
+    selector = {"bundle_label_selector": [dict(role.labels) for _ in range(n)]} if role.labels else {}
+    pg = placement_group([dict(bundle) for _ in range(n)], strategy=strategy, name=name, **selector)
+    on = f" on nodes labelled {role.labels}" if role.labels else ""
+    wait_for_placement(pg, timeout_s, f"{n} bundle(s) of {bundle}{on} for {name}")
     return pg
 
 

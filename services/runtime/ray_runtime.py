@@ -47,7 +47,7 @@ class RayRuntime:
             self.learner.start()
             self._started_serve, port = start_serve(cfg.serve, self.run_dir / "logs" / "serve")
             # an app already serving this very ensemble (a RayService's, an earlier run's) is used and left up
-            self._deployed_app = deploy_reward_app(self.testbed, cfg.serve, reuse=True)
+            self._deployed_app = deploy_reward_app(self.testbed, cfg.serve, reuse=True, placement=cfg.ray.roles.reward)
             self.pool.start(self.learner.infos())
         reward_url = f"http://{cfg.serve.host}:{port}{ROUTE_PREFIX}"
         write_text_atomically(self.run_dir / "endpoints.json", json.dumps({"reward": reward_url}))

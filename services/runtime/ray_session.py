@@ -138,7 +138,7 @@ def reward_app_session(cfg: TrainConfig, testbed: Testbed) -> Iterator[int]:
     init_ray(cfg.ray.address, cfg.ray.num_cpus, cfg.ray.local_network, cfg.ray.worker_niceness)
     try:
         _, bound = start_serve(cfg.serve)
-        deploy_reward_app(testbed, cfg.serve)
+        deploy_reward_app(testbed, cfg.serve, placement=cfg.ray.roles.reward)
         yield bound
     finally:
         serve.shutdown()

@@ -65,7 +65,7 @@ class RolloutPool:
         self.placement, self.workers = place_actors(
             RolloutWorker, n, cfg.ray.actor_cpus, cfg.ray.rollout_gpus, cfg.ray.rollout_placement, "steadyrl-rollout",
             cfg.ray.placement_timeout_s, lambda i: (cfg_dict, base_weights, i, n, str(self.run_dir)),
-            max_restarts=-1, max_task_retries=0)
+            cfg.ray.roles.rollout, max_restarts=-1, max_task_retries=0)
         self.current = PolicyWeights(0)  # the weights last published
         self.launches: dict[int, Launch] = {}  # step -> rollouts launched and not yet collected
         self.infos: dict[str, dict[str, Any]] = {}  # actor name -> where it runs (actors.json)

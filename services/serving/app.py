@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 from ray import serve
 
 from steadyrl.reward.ensemble_spec import EnsembleSpec
-from steadyrl.services.config import ServeConfig
+from steadyrl.services.config import RolePlacement, ServeConfig
 from steadyrl.services.serving.deployments import IngressSettings, RewardEnsembleIngress, RewardModelDeployment
 from steadyrl.services.serving.guard import RestSettings
 from steadyrl.services.testbeds.rest import RestProfile
@@ -25,21 +25,23 @@ APP_SETTINGS = ("replica_cpus", "replica_gpus", "colocate_models", "batching", "
                 "body_timeout_s", "body_idle_timeout_s", "max_unfinished_bodies")
 
 
-def build_reward_app(testbed: "Testbed", serve_cfg: ServeConfig | None = None) -> serve.Application:
+def build_reward_app(testbed: "Testbed", serve_cfg: ServeConfig | None = None,
+                     placement: RolePlacement | None = None) -> serve.Application:
     """Bind one deployment per model of the testbed's reward ensemble (`Testbed.reward_spec`) and the ensemble
     ingress with the testbed's REST profile (`Testbed.rest`). Deployments are named `reward_<name>` (members)
     and `monitor_<name>` (watch only); with `serve.colocate_models` there are none: the ingress hosts the models.
     The bearer token (if `serve_cfg` asks for one) is read once (`ServeConfig.token_sha256`, here unless the
     caller read it before Ray started); only its SHA-256 goes to the replicas."""
-    serve_cfg = serve_cfg or ServeConfig()
+    serve_cfg, placement = serve_cfg or ServeConfig(), placement or RolePlacement()
     spec, profile, rest = testbed.reward_spec(), testbed.rest, RestSettings.from_config(serve_cfg)
-    return _bind(spec, profile, serve_cfg, rest, _digest(spec, profile, serve_cfg, rest))
+    return _bind(spec, profile, serve_cfg, rest, placement, _digest(spec, profile, serve_cfg, rest, placement))
 
 
 def _bind(spec: EnsembleSpec, profile: RestProfile, serve_cfg: ServeConfig, rest: RestSettings,
-          digest: str) -> serve.Application:
-    """The deployments and the ingress of `build_reward_app`, with the token's digest and the app's digest."""
-    opts: dict[str, Any] = {"ray_actor_options": {"num_cpus": serve_cfg.replica_cpus},
+          placement: RolePlacement, digest: str) -> serve.Application:
+    """The deployments and the ingress of `build_reward_app` (every replica on the nodes `placement` names), with
+    the token's digest and the app's digest."""
+    opts: dict[str, Any] = {"ray_actor_options": {"num_cpus": serve_cfg.replica_cpus, **placement.ray_options()},
                             "max_ongoing_requests": serve_cfg.max_ongoing_requests}
     batching = {"max_batch_size": serve_cfg.max_batch_size, "batch_wait_timeout_s": serve_cfg.batch_wait_timeout_s,
                 "batching": serve_cfg.batching}
@@ -66,17 +68,21 @@ def _bind(spec: EnsembleSpec, profile: RestProfile, serve_cfg: ServeConfig, rest
     return ingress.bind(members=members, monitors=monitors, settings=settings)
 
 
-def app_digest(spec: EnsembleSpec, profile: RestProfile, serve_cfg: ServeConfig) -> str:
+def app_digest(spec: EnsembleSpec, profile: RestProfile, serve_cfg: ServeConfig,
+               placement: RolePlacement | None = None) -> str:
     """SHA-256 of what an app is built from: the ensemble's spec, the testbed it serves, the settings that shape
-    the deployments and the REST API, and the bearer token's own digest."""
-    return _digest(spec, profile, serve_cfg, RestSettings.from_config(serve_cfg))
+    the deployments and the REST API, the nodes its replicas run on, and the bearer token's own digest."""
+    return _digest(spec, profile, serve_cfg, RestSettings.from_config(serve_cfg), placement or RolePlacement())
 
 
-def _digest(spec: EnsembleSpec, profile: RestProfile, serve_cfg: ServeConfig, rest: RestSettings) -> str:
+def _digest(spec: EnsembleSpec, profile: RestProfile, serve_cfg: ServeConfig, rest: RestSettings,
+            placement: RolePlacement) -> str:
     from importlib.metadata import version
 
     payload = {"steadyrl": version("steadyrl"), "testbed": profile.testbed, "spec": spec.model_dump(mode="json"),
                "serve": {k: getattr(serve_cfg, k) for k in APP_SETTINGS}, "token": rest.token_sha256}
+    if placement.ray_options():  # (left out when unset: the digest of an app placed anywhere stays as it was)
+        payload["placement"] = placement.model_dump(mode="json")
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
 
 
@@ -92,16 +98,17 @@ def running_app_digest(name: str = APP_NAME) -> str | None:
 
 
 def deploy_reward_app(testbed: "Testbed", serve_cfg: ServeConfig | None = None, name: str = APP_NAME,
-                      route_prefix: str = ROUTE_PREFIX, reuse: bool = False) -> bool:
+                      route_prefix: str = ROUTE_PREFIX, reuse: bool = False,
+                      placement: RolePlacement | None = None) -> bool:
     """Deploy (or update) the ensemble as the Serve application `name` (default `reward`) under `route_prefix`
     (default /reward). With `reuse`, an app of that name already running the same ensemble (same `app_digest`:
     a RayService's, or an earlier run's on this cluster) is left as it is. Returns whether it deployed."""
-    serve_cfg = serve_cfg or ServeConfig()
+    serve_cfg, placement = serve_cfg or ServeConfig(), placement or RolePlacement()
     spec, profile, rest = testbed.reward_spec(), testbed.rest, RestSettings.from_config(serve_cfg)
-    digest = _digest(spec, profile, serve_cfg, rest)
+    digest = _digest(spec, profile, serve_cfg, rest, placement)
     if reuse and route_prefix == ROUTE_PREFIX and running_app_digest(name) == digest:
         return False
-    serve.run(_bind(spec, profile, serve_cfg, rest, digest), name=name, route_prefix=route_prefix)
+    serve.run(_bind(spec, profile, serve_cfg, rest, placement, digest), name=name, route_prefix=route_prefix)
     return True
 
 
@@ -114,4 +121,4 @@ def app_builder(args: dict[str, Any]) -> serve.Application:
     cfg = load_config(args.get("config"), list(args.get("overrides") or []))
     testbed = build_testbed(cfg)
     testbed.prepare_rewards()
-    return build_reward_app(testbed, cfg.serve)
+    return build_reward_app(testbed, cfg.serve, cfg.ray.roles.reward)

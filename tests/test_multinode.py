@@ -1,0 +1,142 @@
+"""A real multi-node Ray cluster on this machine: a head and three worker raylets on 127.0.0.1, each with its own
+object store, labelled by role. `ray.roles` puts the rollout workers, the learner ranks and the reward replicas on
+their own nodes; batches and weights then cross between object stores, and the run computes what one node does,
+bit for bit. Nothing listens beyond loopback."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from steadyrl.services.run_folder.metrics import read_metrics
+from tests.helpers import SMOKE_SHORT, computed_metrics, wait_for
+
+ROOT = Path(__file__).resolve().parents[1]
+LABEL = "steadyrl.io/role"
+#: the rollout workers and the reward replicas by node label, the learner ranks by a custom resource
+ROLES = [f"ray.roles.rollout.labels={{'{LABEL}': rollout}}", f"ray.roles.reward.labels={{'{LABEL}': reward}}",
+         "ray.roles.learner.resources={learner_node: 1}"]
+LOOPBACK = {"127.0.0.1", "::ffff:127.0.0.1", "::1"}
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    """Head (the driver's node: Serve's controller and proxy) and one node per role, every server on loopback
+    (Ray takes 127.0.0.1 as the node address while `ENABLE_RAY_CLUSTER` is off, as `init_ray` starts a local Ray)."""
+    from ray._private import ray_constants
+    from ray.cluster_utils import Cluster
+
+    before, ray_constants.ENABLE_RAY_CLUSTER = ray_constants.ENABLE_RAY_CLUSTER, False
+    try:
+        cluster = Cluster(initialize_head=True, head_node_args=dict(
+            num_cpus=1, node_ip_address="127.0.0.1", labels={LABEL: "head"}, include_dashboard=False))
+        nodes = {role: cluster.add_node(num_cpus=2, node_ip_address="127.0.0.1", labels={LABEL: role},
+                                        resources={"learner_node": 2} if role == "learner" else {})
+                 for role in ("rollout", "learner", "reward")}
+        cluster.wait_for_nodes()
+    finally:
+        ray_constants.ENABLE_RAY_CLUSTER = before
+    yield cluster, nodes
+    cluster.shutdown()
+
+
+def train_on(cluster, run_dir: Path, *overrides: str, wait: bool = True):
+    """`steadyrl train` joining the cluster (its own process: this one holds the suite's one-node Ray); the
+    finished process, or (wait=False) the running one."""
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    command = [sys.executable, "-m", "steadyrl.services.driver.cli", "train", "configs/smoke.yaml",
+               f"ray.address={cluster.address}", f"run.run_dir={run_dir}", *SMOKE_SHORT, *ROLES, *overrides]
+    if not wait:
+        return subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                text=True)
+    return subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+
+
+def processes_of(node) -> list[psutil.Process]:
+    """The node's raylet and every process it started (its workers: actors, Serve replicas)."""
+    raylet = psutil.Process(node.all_processes["raylet"][0].process.pid)
+    return [raylet, *raylet.children(recursive=True)]
+
+
+def same_run(a: Path, b: Path, checkpoints: tuple[int, ...] = (3, 6)) -> None:
+    assert computed_metrics(read_metrics(a)) == computed_metrics(read_metrics(b))
+    assert json.loads((a / "evals.json").read_text()) == json.loads((b / "evals.json").read_text())
+    for step in checkpoints:
+        mine, theirs = (load_file(str(d / "checkpoints" / f"step_{step}" / "policy.safetensors")) for d in (a, b))
+        assert mine.keys() == theirs.keys() and all(torch.equal(mine[k], theirs[k]) for k in mine)
+
+
+def listening(node) -> list[tuple[str, str]]:
+    """(command, address) of every socket the node's processes listen on."""
+    return [(" ".join(p.cmdline())[:60], c.laddr.ip) for p in processes_of(node)
+            for c in p.net_connections(kind="inet") if c.status == psutil.CONN_LISTEN]
+
+
+def test_roles_run_on_their_nodes_listen_on_loopback_and_the_run_equals_one_nodes_bitwise(cluster, smoke_straight,
+                                                                                         tmp_path):
+    """While the run scores its first batch: the reward replicas live on the reward node, and every server of
+    every node (raylets, object stores, GCS, workers) listens on 127.0.0.1; the one exception, as on one node
+    (tests/test_cli_serve_reward.py), is the gRPC server Serve binds to [::] in each replica itself."""
+    cluster, nodes = cluster
+    run = train_on(cluster, tmp_path / "run", wait=False)
+    try:
+        wait_for(lambda: (tmp_path / "run" / "metrics.jsonl").exists() or run.poll() is not None, "the first step")
+        replicas = [p for p in processes_of(nodes["reward"]) if "ServeReplica" in " ".join(p.cmdline())]
+        sockets = [s for node in (cluster.head_node, *nodes.values()) for s in listening(node)]
+    finally:
+        output, _ = run.communicate(timeout=900)
+    assert run.returncode == 0, output[-4000:]
+    assert replicas, "no reward replica on the reward node"
+    assert len(sockets) >= 12, sockets
+    assert all(cmd.startswith("ray::ServeReplica") for cmd, ip in sockets if ip not in LOOPBACK), sockets
+    actors = json.loads((tmp_path / "run" / "actors.json").read_text())["actors"]
+    assert {a["role"]: a["node_id"] for a in actors.values()} == \
+        {"rollout": nodes["rollout"].node_id, "learner": nodes["learner"].node_id}
+    same_run(tmp_path / "run", smoke_straight.run_dir)
+
+
+def test_two_learner_ranks_on_their_node_train_as_two_ranks_on_one_node_bitwise(cluster, ray_cluster, serve_port,
+                                                                            tmp_path):
+    """learner.ranks=2 (both on the learner node, rendezvousing there) against the same on the suite's one-node
+    Ray: the same metrics, evaluations and weights."""
+    from steadyrl.services.config import CONFIG_DIR
+    from steadyrl.services.driver.controller import train
+    from tests.helpers import ensure_digits_app
+
+    cluster, nodes = cluster
+    short = ["learner.ranks=2", "run.steps=2", "run.checkpoint_every=2", "run.eval_every=2"]
+    done = train_on(cluster, tmp_path / "cluster", *short)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    actors = json.loads((tmp_path / "cluster" / "actors.json").read_text())["actors"]
+    assert sorted(a["node_id"] for a in actors.values() if a["role"] == "learner") == [nodes["learner"].node_id] * 2
+    ensure_digits_app()
+    one_node = train(CONFIG_DIR / "smoke.yaml", [f"run.run_dir={tmp_path / 'one'}", *SMOKE_SHORT, *short])
+    same_run(tmp_path / "cluster", one_node.run_dir, checkpoints=(2,))
+
+
+def test_a_role_no_node_can_host_fails_naming_its_labels_before_the_first_step(cluster, tmp_path):
+    cluster, _ = cluster
+    done = train_on(cluster, tmp_path / "run", "ray.roles.learner.labels={steadyrl.io/role: gpu}",
+                    "ray.placement_timeout_s=10")
+    assert done.returncode != 0
+    assert "steadyrl.io/role" in done.stdout + done.stderr and "gpu" in done.stdout + done.stderr
+    assert not (tmp_path / "run" / "metrics.jsonl").exists() or not read_metrics(tmp_path / "run")
+
+
+@pytest.mark.parametrize("override, message", [
+    ("ray.roles.reward.resources={CPU: 1}", "Ray's own resources"),
+    ("ray.roles.learner.resources={learner_node: 0}", "amounts must be > 0"),
+    ("ray.roles.rewards.labels={a: b}", "ray.roles.rewards"),
+])
+def test_a_role_setting_ray_cannot_take_is_a_config_error_naming_it(override, message):
+    from steadyrl.services.config import CONFIG_DIR, ConfigError, load_config
+
+    with pytest.raises(ConfigError, match=message):
+        load_config(CONFIG_DIR / "smoke.yaml", [override])
