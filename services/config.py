@@ -220,6 +220,9 @@ class RayConfig(StrictModel):
     max_rollout_retries: int = Field(3, ge=0, description="times one call is re-issued after its rollout worker "
                                      "died (Ray restarts the actor; it gets the current weights first, and its "
                                      "seeded sampling redraws the very same samples); past it the run fails")
+    check_nodes: bool = Field(True, description="before any actor starts, fail naming the role when no live node "
+                              "could ever host it (its labels, custom resources, GPUs, CPUs), instead of waiting "
+                              "ray.placement_timeout_s; off for an autoscaling cluster, whose nodes start on demand")
     roles: Roles = Field(default_factory=Roles, description="the nodes each role runs on, by node labels or "
                          "custom resources: rollout workers, learner ranks and reward replicas on nodes of their "
                          "own (docs/architecture.md, 'Across nodes')")

@@ -4,6 +4,7 @@ from __future__ import annotations
 import os
 import sys
 import time
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Optional
 
@@ -137,7 +138,11 @@ def serve_reward(
         _fail(str(err))
     testbed = _require_models(build_testbed(cfg), rewards_only=True)
     testbed.prepare_rewards()
-    with reward_app_session(cfg, testbed) as bound:
+    with ExitStack() as session:
+        try:
+            bound = session.enter_context(reward_app_session(cfg, testbed))
+        except ConfigError as err:  # a role no node can host (ray.roles.reward, serve.replica_gpus)
+            _fail(str(err))
         base = f"http://{s.host}:{bound}{ROUTE_PREFIX}"
         where = "this machine only" if s.host in ("127.0.0.1", "localhost", "::1") else "reachable from the network"
         token = (f"needs `Authorization: Bearer <token>` (token from "

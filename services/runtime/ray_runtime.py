@@ -15,6 +15,7 @@ from safetensors.torch import load_file
 from steadyrl.rollout.cache import write_text_atomically
 from steadyrl.services.config import TrainConfig
 from steadyrl.services.runtime.learner_group import LearnerGroup
+from steadyrl.services.runtime.node_fit import check_roles_fit, reward_demand, training_demands
 from steadyrl.services.runtime.ray_session import init_ray, start_serve
 from steadyrl.services.runtime.rollout_pool import RolloutPool
 from steadyrl.services.serving import APP_NAME, ROUTE_PREFIX, deploy_reward_app
@@ -38,6 +39,8 @@ class RayRuntime:
         cfg.serve.token_sha256()  # read the REST token (if any) and drop its variable before Ray's processes start
         with self.console.status("starting Ray, the Serve reward ensemble and the DeepSpeed learner"):
             self._ray_mode = init_ray(cfg.ray.address, cfg.ray.num_cpus, cfg.ray.local_network, cfg.ray.worker_niceness)
+            if cfg.ray.check_nodes:
+                check_roles_fit([*training_demands(cfg), reward_demand(cfg, self.testbed)])
             # the base weights travel through the object store: no node but the driver's needs the cache
             base_weights = ray.put(load_file(str(base_model)))
             # the actors' processes start now, the learner builds its engine, and both go on while Serve starts

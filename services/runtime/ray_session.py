@@ -133,10 +133,13 @@ def reward_app_session(cfg: TrainConfig, testbed: Testbed) -> Iterator[int]:
     """Ray started (or joined), Serve's proxy up and `testbed`'s reward app deployed (`steadyrl serve-reward`);
     yields the proxy's port. On exit Serve and Ray shut down: their processes go with this one (Ray's atexit hook
     would run too late for a signal)."""
+    from steadyrl.services.runtime.node_fit import check_roles_fit, reward_demand
     from steadyrl.services.serving import deploy_reward_app
 
     init_ray(cfg.ray.address, cfg.ray.num_cpus, cfg.ray.local_network, cfg.ray.worker_niceness)
     try:
+        if cfg.ray.check_nodes:
+            check_roles_fit([reward_demand(cfg, testbed)])
         _, bound = start_serve(cfg.serve)
         deploy_reward_app(testbed, cfg.serve, placement=cfg.ray.roles.reward)
         yield bound

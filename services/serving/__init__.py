@@ -18,7 +18,7 @@ from typing import Any
 
 _WHERE = {
     "app": ("APP_NAME", "ROUTE_PREFIX", "app_builder", "app_digest", "build_reward_app", "deploy_reward_app",
-            "running_app_digest"),
+            "replica_gpus", "running_app_digest"),
     "deployments": ("IngressSettings", "RewardEnsembleIngress", "RewardModelDeployment"),
     "guard": ("RestSettings", "token_digest"),
     "rest": ("build_rest_api",),

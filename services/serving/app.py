@@ -48,7 +48,7 @@ def _bind(spec: EnsembleSpec, profile: RestProfile, serve_cfg: ServeConfig, rest
 
     def with_gpu(model_opts: dict[str, Any], *model_specs: Any) -> dict[str, Any]:
         """A replica hosting a model on cuda reserves its GPU share."""
-        if not any(getattr(m, "device", "cpu").startswith("cuda") for m in model_specs):
+        if not _on_cuda(*model_specs):
             return model_opts
         return {**model_opts, "ray_actor_options": {**model_opts["ray_actor_options"],
                                                     "num_gpus": serve_cfg.replica_gpus}}
@@ -66,6 +66,15 @@ def _bind(spec: EnsembleSpec, profile: RestProfile, serve_cfg: ServeConfig, rest
     ingress_opts = with_gpu(opts, *spec.members, *spec.monitors) if serve_cfg.colocate_models else opts
     ingress = RewardEnsembleIngress.options(name="ensemble", **ingress_opts)
     return ingress.bind(members=members, monitors=monitors, settings=settings)
+
+
+def _on_cuda(*model_specs: Any) -> bool:
+    return any(getattr(m, "device", "cpu").startswith("cuda") for m in model_specs)
+
+
+def replica_gpus(spec: EnsembleSpec, serve_cfg: ServeConfig) -> float:
+    """The GPU share the app's largest replica asks Ray for: `serve.replica_gpus` where a model runs on cuda."""
+    return serve_cfg.replica_gpus if _on_cuda(*spec.members, *spec.monitors) else 0.0
 
 
 def app_digest(spec: EnsembleSpec, profile: RestProfile, serve_cfg: ServeConfig,
