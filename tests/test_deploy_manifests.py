@@ -334,6 +334,52 @@ def test_gpu_cluster_submit_commands_ask_for_gpus():
     assert any(cfg.learner.ranks > 1 for cfg in configs), "no command runs several learner ranks"
 
 
+# ---------------------------------------------------------------------------------------------- roles
+
+ROLE_LABEL = "steadyrl.io/role"
+
+
+def _as_nodes(doc: dict) -> list[dict]:
+    """Each worker group's pods as Ray will list them (`ray.nodes()`): CPUs (num-cpus, else the container's
+    CPU limit), GPUs (num-gpus), the group's custom resources and labels (KubeRay passes both to `ray start`)."""
+    nodes = []
+    for name, group in _groups(doc)[1:]:
+        (container,) = group["template"]["spec"]["containers"]
+        params, limit = group["rayStartParams"], str(container["resources"]["limits"]["cpu"])
+        cpus = float(params.get("num-cpus", int(limit[:-1]) / 1000 if limit.endswith("m") else limit))
+        resources = {"CPU": cpus, "GPU": float(params.get("num-gpus", 0)), **group.get("resources", {})}
+        nodes.append({"Alive": True, "NodeManagerAddress": name, "Resources": resources,
+                      "Labels": dict(group.get("labels", {}))})
+    return nodes
+
+
+@pytest.mark.parametrize("path", [GPU_CLUSTER, DIGITS_JOB], ids=lambda p: p.name)
+def test_each_role_of_a_cluster_preset_fits_the_worker_group_labelled_for_it(path):
+    """One worker group per role, labelled `steadyrl.io/role: <role>`; every job command the manifest shows that
+    places roles (ray.roles) finds, for the rollout workers, the learner ranks and the reward replicas, a group
+    with the role's labels and enough CPUs and GPUs for one of its actors (the check `steadyrl train` runs on
+    the live cluster, `runtime/node_fit.py`)."""
+    from steadyrl.services.config import load_config
+    from steadyrl.services.runtime.node_fit import check_roles_fit, reward_demand, training_demands
+    from steadyrl.services.testbeds import build_testbed
+
+    doc = _load(path)
+    labelled = {g["groupName"]: g.get("labels", {}).get(ROLE_LABEL) for _, g in _groups(doc)[1:]}
+    assert labelled == {role: role for role in ("rollout", "learner", "reward")}, labelled
+    placed = 0
+    for argv in _job_commands(path.read_text()):
+        cfg = load_config(REPO / argv[3], argv[4:])
+        roles = cfg.ray.roles
+        if not (roles.rollout.labels and roles.learner.labels and roles.reward.labels):
+            continue
+        placed += 1
+        check_roles_fit([*training_demands(cfg), reward_demand(cfg, build_testbed(cfg))], _as_nodes(doc))
+        for role in ("rollout", "learner", "reward"):  # each role on its own group, no other
+            fits = [n["NodeManagerAddress"] for n in _as_nodes(doc) if n["Labels"] == getattr(roles, role).labels]
+            assert fits == [role], (shlex.join(argv), role, fits)
+    assert placed, f"{path.name} shows no job command that places its roles"
+
+
 # ---------------------------------------------------------------------------------------------- RayCluster (GPU)
 
 def _gpu_cluster() -> dict:
