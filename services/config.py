@@ -241,6 +241,11 @@ class RunConfig(StrictModel):
     steps: int = Field(80, ge=1)
     seed: int = 0
     run_dir: str | None = Field(None, description="None: runs/<name>-<timestamp>")
+    resume: Literal["never", "auto"] = Field(
+        "never", description="auto: a command run again (a RayJob's retry, a person re-running it after the driver "
+        "died) continues the run in run.run_dir from its latest checkpoint instead of starting over, refusing a "
+        "folder whose config differs beyond resume-safe settings; a folder without a checkpoint starts afresh. "
+        "Needs run.run_dir, on storage the next driver sees")
     name: str = "digits-grpo"
     eval_every: int = Field(20, ge=1)
     eval_seed: int = 1234
@@ -255,6 +260,13 @@ class RunConfig(StrictModel):
         "besides metrics.jsonl and TensorBoard: mlflow (extra `steadyrl[mlflow]`; $MLFLOW_TRACKING_URI, default a "
         "file store in the run folder's mlruns/) and wandb (extra `steadyrl[wandb]`; $WANDB_MODE, default offline "
         "without an API key, files in the run folder's wandb/). A resumed run logs on into the same tracker run")
+
+    @model_validator(mode="after")
+    def _auto_resume_has_a_folder(self) -> "RunConfig":
+        if self.resume == "auto" and not self.run_dir:
+            raise ValueError("resume=auto needs run_dir: the folder a re-run of the same command finds again (on "
+                             "storage every driver sees, e.g. a shared volume)")
+        return self
 
     @field_validator("loggers")
     @classmethod

@@ -380,6 +380,28 @@ def test_each_role_of_a_cluster_preset_fits_the_worker_group_labelled_for_it(pat
     assert placed, f"{path.name} shows no job command that places its roles"
 
 
+def test_the_rayjob_retries_into_the_same_run_folder_on_a_volume_every_pod_shares():
+    """A lost driver costs the steps since the last checkpoint: KubeRay retries the job (backoffLimit), the same
+    entrypoint continues its run folder (run.resume=auto), and that folder lies on one ReadWriteMany claim that
+    the head (the driver) and every worker (the learner's checkpoints) mount."""
+    from steadyrl.services.config import load_config
+
+    doc = _load_digits_job()
+    assert doc["spec"].get("backoffLimit", 0) >= 1
+    argv = shlex.split(doc["spec"]["entrypoint"])
+    cfg = load_config(REPO / argv[3], argv[4:])
+    assert cfg.run.resume == "auto" and cfg.run.run_dir
+    claims = set()
+    for name, group in _groups(doc):
+        (container,) = group["template"]["spec"]["containers"]
+        mounts = [m for m in container["volumeMounts"] if cfg.run.run_dir.startswith(m["mountPath"].rstrip("/") + "/")]
+        assert mounts, f"{name}: nothing mounted where run.run_dir={cfg.run.run_dir} lies"
+        volume = next(v for v in group["template"]["spec"]["volumes"] if v["name"] == mounts[0]["name"])
+        claims.add(volume.get("persistentVolumeClaim", {}).get("claimName"))
+    assert len(claims) == 1 and None not in claims, claims
+    assert "ReadWriteMany" in DIGITS_JOB.read_text()  # the claim's creation is shown
+
+
 # ---------------------------------------------------------------------------------------------- RayCluster (GPU)
 
 def _gpu_cluster() -> dict:

@@ -1,10 +1,12 @@
-"""Exact resume: a run killed with SIGKILL after its step-3 checkpoint and resumed with `--resume` logs the same
-metrics and ends with the same parameters, reference, objective state and RNG as the run that went straight
-through; and a resume refuses overrides that would change what the run computes."""
+"""Exact resume: a job whose driver is killed with SIGKILL after its step-3 checkpoint, and whose same command is
+run again (`run.resume=auto`, as a RayJob's retry does), logs the same metrics and ends with the same parameters,
+reference, objective state and RNG as the run that went straight through; a resume refuses overrides that would
+change what the run computes, and run.resume=auto a folder whose run differs."""
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -16,7 +18,6 @@ import torch
 from safetensors.torch import load_file
 
 from steadyrl.services.config import CONFIG_DIR, ConfigError, load_config
-from steadyrl.services.driver.controller import train
 from steadyrl.services.driver.resume import RESUMES_LOG, check_resume, record_resume
 from steadyrl.services.run_folder.metrics import read_metrics
 from tests.helpers import SMOKE_SHORT as RUN, computed_metrics
@@ -42,12 +43,17 @@ def test_a_resume_may_change_where_and_how_long_but_not_what_the_run_computes(tm
     assert entry["changes"]["run.steps"] == {"saved": 30, "resumed": 50}
 
 
+def job_command(run: Path) -> list[str]:
+    """The job's command, as a RayJob's entrypoint: continues its run folder when run again."""
+    return [sys.executable, "-m", "steadyrl.services.driver.job", str(SMOKE), f"run.run_dir={run}", "run.resume=auto",
+            *RUN]
+
+
 def _kill_after_checkpoint(run: Path, address: str, step: int) -> None:
     """Run the job as its own driver process on the session's cluster and SIGKILL it once the step's
     checkpoint is written (it is then in the middle of the next step)."""
     env = {**os.environ, "RAY_ADDRESS": address}
-    proc = subprocess.Popen([sys.executable, "-m", "steadyrl.services.driver.job", str(SMOKE), f"run.run_dir={run}", *RUN],
-                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(job_command(run), cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     pointer = run / "checkpoints" / "latest"
     try:
         deadline = time.time() + 400
@@ -63,13 +69,17 @@ def _kill_after_checkpoint(run: Path, address: str, step: int) -> None:
     assert proc.returncode == -signal.SIGKILL
 
 
-def test_killed_and_resumed_run_equals_the_run_that_went_straight_through(ray_cluster, smoke_straight, tmp_path):
+def test_a_killed_driver_whose_command_runs_again_ends_as_the_run_that_went_straight_through(
+        ray_cluster, smoke_straight, tmp_path):
     straight = smoke_straight
     killed = tmp_path / "killed"
-    _kill_after_checkpoint(killed, ray_cluster.get_runtime_context().gcs_address, step=3)
+    address = ray_cluster.get_runtime_context().gcs_address
+    _kill_after_checkpoint(killed, address, step=3)
     assert not (killed / "checkpoints" / "step_6").exists()
-    resumed = train(resume_dir=killed)
-    assert resumed.steps_done == 6 and not resumed.interrupted
+    again = subprocess.run(job_command(killed), cwd=ROOT, env={**os.environ, "RAY_ADDRESS": address},
+                           capture_output=True, text=True, timeout=600)
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    assert f"continuing {killed} from its step-3 checkpoint" in " ".join(again.stdout.split())
 
     a, b = read_metrics(straight.run_dir), read_metrics(killed)
     assert [r["step"] for r in b] == list(range(1, 7))
@@ -86,3 +96,35 @@ def test_killed_and_resumed_run_equals_the_run_that_went_straight_through(ray_cl
     assert torch.equal(s["generator"], t["generator"]) and s["updates"] == t["updates"] > 0
     assert s["objective_state"] == t["objective_state"]
     assert json.loads((killed / RESUMES_LOG).read_text())["from_step"] == 3
+
+
+def test_auto_resume_refuses_another_runs_folder_and_leaves_a_finished_one_as_it_is(tmp_path):
+    from tests.helpers import train_local
+
+    run = tmp_path / "run"
+    short = [*RUN, "run.steps=2", "run.checkpoint_every=2", "run.eval_every=2", "run.resume=auto"]
+    first, rows = train_local(SMOKE, run, short)
+    assert first.steps_done == 2 and [r["step"] for r in rows] == [1, 2]
+    with pytest.raises(ConfigError, match=rf"run.resume=auto: {run} holds a run whose config differs "
+                                          r"\(run.seed: 0 -> 7\).*steadyrl train --resume"):
+        train_local(SMOKE, run, [*short, "run.seed=7"])
+    done, rows_after = train_local(SMOKE, run, short)  # the same command again: nothing left to do
+    assert done.steps_done == 2 and rows_after == rows and done.final_eval == first.final_eval
+    assert not (run / RESUMES_LOG).exists()
+    longer, rows_longer = train_local(SMOKE, run, [*short, "run.steps=3"])  # resume-safe: continued, recorded
+    assert longer.steps_done == 3 and [r["step"] for r in rows_longer] == [1, 2, 3]
+    assert json.loads((run / RESUMES_LOG).read_text())["changes"] == {"run.steps": {"saved": 2, "resumed": 3}}
+
+
+def test_auto_resume_starts_afresh_in_a_folder_without_a_checkpoint(tmp_path):
+    from tests.helpers import train_local
+
+    run = tmp_path / "run"
+    short = [*RUN, "run.steps=2", "run.checkpoint_every=2", "run.eval_every=2", "run.resume=auto"]
+    _, rows = train_local(SMOKE, run, short)
+    shutil.rmtree(run / "checkpoints")  # as a driver killed after its steps' rows, before their checkpoint
+    _, again = train_local(SMOKE, run, short)
+    assert (run / "checkpoints" / "step_2").is_dir()
+    assert computed_metrics(again) == computed_metrics(rows)  # the rows of one run, not two
+    with pytest.raises(ConfigError, match="resume=auto needs run_dir"):
+        load_config(SMOKE, ["run.resume=auto"])

@@ -24,7 +24,7 @@ from rich.console import Console
 from steadyrl.rollout.cache import write_text_atomically
 from steadyrl.services.config import ConfigError, TrainConfig, dump_config, load_config
 from steadyrl.services.driver.console import progress_bar, summary_table
-from steadyrl.services.driver.resume import check_resume, record_resume
+from steadyrl.services.driver.resume import auto_resume_step, check_resume, record_resume
 from steadyrl.services.driver.run_health import RunHealth
 from steadyrl.services.run_folder.checkpoints import (ACTORS_FILE, CHECKPOINTS, CONTROLLER_STATE, RunFailed,  # noqa: F401
                                            checkpoint_before, drop_checkpoints_after, latest_checkpoint,
@@ -355,17 +355,43 @@ def train(config: str | Path | None = None, overrides: list[str] | tuple[str, ..
     steadyrl.services.driver.job`. A resume checks the overrides against the run's config
     (`services.driver.resume`), records them and keeps config.yaml the run's current one. `progress`: the steps'
     display, "auto" | "bar" | "lines" | "none" (`console.progress_style`)."""
+    console = console or Console()
     if resume_dir is not None:
         run_dir = Path(resume_dir)
         saved = load_config(run_dir / "config.yaml")
         cfg = load_config(run_dir / "config.yaml", overrides)
         check_can_start(cfg)  # before Ray starts and a resume is recorded
         step = int(latest_state(run_dir)[1]["step"])
-        changes = check_resume(saved, cfg, step, allow_changes)
-        record_resume(run_dir, step, changes)
-        if changes:
-            write_text_atomically(run_dir / "config.yaml", dump_config(cfg))
-        return Controller(cfg, run_dir, console, resume=True, progress=progress).run()
+        return continue_run(cfg, saved, run_dir, step, allow_changes, console, progress)
     cfg = load_config(config, overrides)
     check_can_start(cfg)  # before Ray starts and the run folder exists
-    return Controller(cfg, new_run_dir(cfg), console, progress=progress).run()
+    step = auto_resume_step(cfg) if cfg.run.resume == "auto" else None
+    if step is None:
+        run_dir = new_run_dir(cfg)
+        if cfg.run.resume == "auto" and (run_dir / "metrics.jsonl").exists():  # an attempt that died before its
+            (run_dir / "metrics.jsonl").unlink()  # first checkpoint: its rows would precede the new ones
+            console.print(f"run.resume=auto: no checkpoint in {run_dir}: the run starts there afresh")
+        return Controller(cfg, run_dir, console, progress=progress).run()
+    run_dir = Path(cfg.run.run_dir)
+    if step >= cfg.run.steps:
+        console.print(f"run.resume=auto: {run_dir} has finished its {step} steps; nothing to do")
+        return finished_run(run_dir, step)
+    console.print(f"run.resume=auto: continuing {run_dir} from its step-{step} checkpoint")
+    return continue_run(cfg, load_config(run_dir / "config.yaml"), run_dir, step, False, console, progress)
+
+
+def continue_run(cfg: TrainConfig, saved: TrainConfig, run_dir: Path, step: int, allow_changes: bool,
+                 console: Console, progress: str) -> RunResult:
+    """Resume the run in `run_dir` (saved with `saved`) from its step-`step` checkpoint under `cfg`: the changes
+    checked (`check_resume`) and recorded, config.yaml kept the run's current one."""
+    changes = check_resume(saved, cfg, step, allow_changes)
+    record_resume(run_dir, step, changes)
+    if changes:
+        write_text_atomically(run_dir / "config.yaml", dump_config(cfg))
+    return Controller(cfg, run_dir, console, resume=True, progress=progress).run()
+
+
+def finished_run(run_dir: Path, step: int) -> RunResult:
+    """The result of a run that already reached its last step (its evaluations from evals.json)."""
+    evals = json.loads((run_dir / "evals.json").read_text()) if (run_dir / "evals.json").exists() else []
+    return RunResult(run_dir, step, next((e for e in evals if e["step"] == 0), None), evals[-1] if evals else None)

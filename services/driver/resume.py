@@ -25,6 +25,13 @@ RESUME_SAFE: frozenset[str] = frozenset({
     "serve.auth_token_env", "serve.auth_token_file", "serve.request_timeout_s", "serve.max_retries",
     "serve.retry_backoff_s",
 })
+# Whole sections of settings that place or check the run's actors, never change what a step computes.
+RESUME_SAFE_PREFIXES = ("ray.roles.", "ray.check_nodes", "run.resume")
+
+
+def resume_safe(key: str) -> bool:
+    """Whether changing the setting `key` (dotted) leaves what the run computes as it was."""
+    return key in RESUME_SAFE or key.startswith(RESUME_SAFE_PREFIXES)
 
 
 def config_changes(saved: TrainConfig, resumed: TrainConfig) -> dict[str, tuple[Any, Any]]:
@@ -38,7 +45,7 @@ def check_resume(saved: TrainConfig, resumed: TrainConfig, from_step: int,
     """The changes a resume makes; raises ConfigError naming each one outside RESUME_SAFE (unless
     `allow_changes`) and when run.steps does not reach past the checkpoint."""
     changes = config_changes(saved, resumed)
-    meaning = [k for k in changes if k not in RESUME_SAFE]
+    meaning = [k for k in changes if not resume_safe(k)]
     if meaning and not allow_changes:
         listed = ", ".join(f"{k}: {changes[k][0]!r} -> {changes[k][1]!r}" for k in meaning)
         raise ConfigError(f"--resume would change what the run computes ({listed}); resume without these overrides, "
@@ -53,6 +60,28 @@ def record_resume(run_dir: Path, from_step: int, changes: dict[str, tuple[Any, A
     """Append one line to the run folder's resume log: when, from which step, and what changed."""
     entry = {"time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "from_step": from_step,
              "changes": {k: {"saved": a, "resumed": b} for k, (a, b) in changes.items()},
-             "meaning_changed": sorted(k for k in changes if k not in RESUME_SAFE)}
+             "meaning_changed": sorted(k for k in changes if not resume_safe(k))}
     with (Path(run_dir) / RESUMES_LOG).open("a") as f:
         f.write(json.dumps(entry) + "\n")
+
+
+def auto_resume_step(cfg: TrainConfig) -> int | None:
+    """run.resume=auto: the step of run.run_dir's latest checkpoint to continue from, or None where the folder
+    holds no checkpoint (the run starts there afresh). Raises ConfigError where run.run_dir is unset, or where the
+    folder's run differs from `cfg` in a setting outside the resume-safe ones (the same rule as --resume)."""
+    from steadyrl.services.config import load_config
+    from steadyrl.services.run_folder.checkpoints import latest_state
+
+    run_dir = Path(cfg.run.run_dir)  # set: the config checks it
+    if not (run_dir / "config.yaml").exists():
+        return None
+    saved = load_config(run_dir / "config.yaml")
+    meaning = {k: v for k, v in config_changes(saved, cfg).items() if not resume_safe(k)}
+    if meaning:
+        listed = ", ".join(f"{k}: {a!r} -> {b!r}" for k, (a, b) in meaning.items())
+        raise ConfigError(f"run.resume=auto: {run_dir} holds a run whose config differs ({listed}); set another "
+                          f"run.run_dir, or continue that run with `steadyrl train --resume {run_dir}`")
+    try:
+        return int(latest_state(run_dir)[1]["step"])
+    except FileNotFoundError:
+        return None
