@@ -241,6 +241,10 @@ class RunConfig(StrictModel):
     steps: int = Field(80, ge=1)
     seed: int = 0
     run_dir: str | None = Field(None, description="None: runs/<name>-<timestamp>")
+    max_restarts: int = Field(3, ge=0, description="times the run restarts itself from its last checkpoint when a "
+                              "process or node it cannot replace in place is lost (a learner rank's node; a rollout "
+                              "worker past ray.max_rollout_retries): the runtime is rebuilt on the nodes left and the "
+                              "steps since the checkpoint redone (recoveries.jsonl). 0: stop with the resume hint")
     resume: Literal["never", "auto"] = Field(
         "never", description="auto: a command run again (a RayJob's retry, a person re-running it after the driver "
         "died) continues the run in run.run_dir from its latest checkpoint instead of starting over, refusing a "

@@ -1,7 +1,8 @@
 """Fault tolerance, by killing the real processes (SIGKILL) of a running job: a rollout worker killed mid-run is
 restarted and its call re-issued, a reward replica killed is replaced by Serve and the scoring call retried, and
 neither loses or duplicates a sample: the run's metrics equal those of the run nobody killed. A learner that dies
-fails the run cleanly, with the last checkpoint intact and a message saying how to resume."""
+with no restarts allowed (run.max_restarts=0) fails the run cleanly, with the last checkpoint intact and a message
+saying how to resume (the restart itself: tests/test_async_rollouts.py, tests/test_multinode.py)."""
 from __future__ import annotations
 
 import json
@@ -14,6 +15,7 @@ import ray
 from ray import serve
 
 from steadyrl.services.driver.controller import ACTORS_FILE, RunFailed, train
+from steadyrl.services.run_folder.recoveries import RECOVERIES_LOG
 from steadyrl.services.run_folder.metrics import read_metrics
 from steadyrl.services.runtime.retry import is_process_failure, with_retries
 from steadyrl.services.serving import APP_NAME
@@ -110,10 +112,10 @@ def test_killed_rollout_worker_and_reward_replica_are_replaced_without_losing_a_
     print("reward calls retried:", sum(r["faults/reward_retries"] for r in rows), "replica killed:", name)
 
 
-def test_a_dead_learner_fails_the_run_with_the_checkpoint_intact_and_says_how_to_resume(smoke_straight, digits_app,
-                                                                                       tmp_path):
+def test_a_dead_learner_without_restarts_fails_the_run_with_the_checkpoint_intact_and_says_how_to_resume(
+        smoke_straight, digits_app, tmp_path):
     run = tmp_path / "learner-dies"
-    thread, out = train_in_thread(run, SMOKE_SHORT)
+    thread, out = train_in_thread(run, [*SMOKE_SHORT, "run.max_restarts=0"])
     wait_for(lambda: steps_logged(run) >= 4, "step 4 (after the step-3 checkpoint)")
     os.kill(actor_pid(run, "learner_0"), signal.SIGKILL)
     thread.join(timeout=300)
@@ -127,6 +129,7 @@ def test_a_dead_learner_fails_the_run_with_the_checkpoint_intact_and_says_how_to
     wait_for(lambda: not _alive(actor_pid(run, "rollout_0")), "the rollout worker to be stopped", 60)
     assert serve.status().applications[APP_NAME].status == "RUNNING"
     # intact: resuming from it trains step 4 exactly as the run nobody killed did
+    assert not (run / RECOVERIES_LOG).exists()
     resumed = train(resume_dir=run, overrides=["run.steps=4"])
     assert resumed.steps_done == 4
     rows = computed_metrics(read_metrics(run))

@@ -31,6 +31,7 @@ from steadyrl.services.run_folder.checkpoints import (ACTORS_FILE, CHECKPOINTS, 
                                            latest_state, new_checkpoint, resume_hint)
 from steadyrl.services.run_folder.figures import save_curves
 from steadyrl.services.run_folder.metrics import MetricsWriter, read_metrics
+from steadyrl.services.run_folder.recoveries import append_recovery
 from steadyrl.services.runtime.driver_bytes import DRIVER_FETCHES
 from steadyrl.services.runtime.failures import ComponentFailed
 from steadyrl.services.runtime.seams import LearnerHandle, RolloutPoolHandle, Runtime
@@ -102,6 +103,27 @@ def build_runtime(cfg: TrainConfig, testbed, run_dir: Path, console: Console) ->
     return RayRuntime(cfg, testbed, run_dir, console)
 
 
+@dataclass
+class Recovering:
+    """A restart under way: the `restart`-th, after `failure` at wall-clock time `failed_at`."""
+
+    restart: int
+    failure: RunFailed
+    failed_at: float
+
+    def record(self, run_dir: Path, resumed_from: int, console: Console) -> None:
+        """Once the checkpoint is restored: recoveries.jsonl gets the restart, the steps redone (the lost ones and
+        the one under way) and the seconds from the failure to training again."""
+        entry = {"time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "restart": self.restart,
+                 "failed_step": self.failure.failed_step, "resumed_from_step": resumed_from,
+                 "steps_redone": (self.failure.failed_step or resumed_from) - resumed_from,
+                 "recovery_s": round(time.time() - self.failed_at, 3), "cause": str(self.failure).split("; ")[0]}
+        append_recovery(run_dir, entry)
+        console.print(f"[yellow]restart {self.restart}: back at step {resumed_from} after {entry['cause']} "
+                      f"({entry['steps_redone']} step(s) to redo, {entry['recovery_s']:.0f} s to recover)",
+                      soft_wrap=True)
+
+
 class RollBack(Exception):
     """The health watch flagged a collapse and a checkpoint before it exists: `run` restores it and fits again."""
 
@@ -112,8 +134,9 @@ class RollBack(Exception):
 
 class Controller:
     def __init__(self, cfg: TrainConfig, run_dir: Path, console: Console | None = None, resume: bool = False,
-                 progress: str = "auto"):
+                 progress: str = "auto", recovering: Recovering | None = None):
         self.cfg = cfg
+        self.recovering = recovering  # the failure this run restarts after (`run_restarting`), if any
         self.progress = progress  # how the steps show: "auto" | "bar" | "lines" | "none" (`console.progress_style`)
         self.testbed = build_testbed(cfg)
         self.run_dir = Path(run_dir)
@@ -140,6 +163,8 @@ class Controller:
             self.pool, self.learner = self.start()
             writer = MetricsWriter(self.run_dir, cfg.run.loggers, cfg.model_dump(mode="json"), self.resume)
             start = self.steps_done = self.restore() if self.resume else 0
+            if self.recovering is not None:
+                self.recovering.record(self.run_dir, start, self.console)
             if not self.resume:
                 self.evaluate(0)
                 if cfg.health.rollback.enabled:
@@ -155,7 +180,7 @@ class Controller:
                         bar(self.steps_done, back.metrics)
         except ComponentFailed as err:
             raise RunFailed(f"{err.during(self.steps_done + 1)}; nothing after step {self.steps_done} was kept"
-                            + resume_hint(self.run_dir)) from None
+                            + resume_hint(self.run_dir), failed_step=self.steps_done + 1, restartable=True) from None
         except KeyboardInterrupt as err:  # Ctrl-C, or SIGTERM (`signals.Terminated`)
             interrupted, exit_status = True, stop_status(err)
             ckpt = latest_checkpoint(self.run_dir)
@@ -371,7 +396,7 @@ def train(config: str | Path | None = None, overrides: list[str] | tuple[str, ..
         if cfg.run.resume == "auto" and (run_dir / "metrics.jsonl").exists():  # an attempt that died before its
             (run_dir / "metrics.jsonl").unlink()  # first checkpoint: its rows would precede the new ones
             console.print(f"run.resume=auto: no checkpoint in {run_dir}: the run starts there afresh")
-        return Controller(cfg, run_dir, console, progress=progress).run()
+        return run_restarting(cfg, run_dir, console, progress, resume=False)
     run_dir = Path(cfg.run.run_dir)
     if step >= cfg.run.steps:
         console.print(f"run.resume=auto: {run_dir} has finished its {step} steps; nothing to do")
@@ -388,7 +413,27 @@ def continue_run(cfg: TrainConfig, saved: TrainConfig, run_dir: Path, step: int,
     record_resume(run_dir, step, changes)
     if changes:
         write_text_atomically(run_dir / "config.yaml", dump_config(cfg))
-    return Controller(cfg, run_dir, console, resume=True, progress=progress).run()
+    return run_restarting(cfg, run_dir, console, progress, resume=True)
+
+
+def run_restarting(cfg: TrainConfig, run_dir: Path, console: Console, progress: str, resume: bool) -> RunResult:
+    """The run, restarted from its latest checkpoint each time it loses a process or node it cannot replace in
+    place (`RunFailed.restartable`), at most run.max_restarts times: a new runtime on the nodes left, the
+    checkpoint restored and the steps since redone (with exact resume, the run the failure never hit)."""
+    recovering: Recovering | None = None
+    for restart in range(1, cfg.run.max_restarts + 2):
+        try:
+            return Controller(cfg, run_dir, console, resume=resume, progress=progress, recovering=recovering).run()
+        except RunFailed as failure:
+            if not failure.restartable or latest_checkpoint(run_dir) is None or restart > cfg.run.max_restarts:
+                if failure.restartable and restart > 1:
+                    raise RunFailed(f"{failure} (after {restart - 1} restart(s), run.max_restarts="
+                                    f"{cfg.run.max_restarts})", failure.failed_step) from None
+                raise
+            console.print(f"[yellow]{failure}; restarting from the last checkpoint ({restart} of "
+                          f"run.max_restarts={cfg.run.max_restarts})", soft_wrap=True)
+            recovering, resume = Recovering(restart, failure, time.time()), True
+    raise AssertionError("unreachable: the last attempt returns or raises")
 
 
 def finished_run(run_dir: Path, step: int) -> RunResult:
