@@ -240,3 +240,21 @@ def test_the_report_renders_in_headless_chromium_without_console_errors(run_dir,
     assert len(images) == 1 + 3 and all(done and width > 100 for done, width in images)  # dashboard + 3 grids
     img = not_blank(shot)
     assert img.shape[1] == 1280 and img.shape[0] > 2000  # the whole page: curves, grids and config
+
+
+def test_restarts_after_a_lost_node_are_tabulated_with_what_they_cost(run_dir, tmp_path):
+    from steadyrl.services.run_folder.recoveries import RECOVERIES_LOG
+
+    run = copy_run(run_dir, tmp_path / "run")
+    assert "restart(s)" not in invoke("inspect", str(run)).output  # a run that never restarted shows none
+    lost = [{"restart": 1, "failed_step": 4, "resumed_from_step": 2, "steps_redone": 2, "recovery_s": 31.5,
+             "cause": "the learner died during step 4 (node lost)"},
+            {"restart": 2, "failed_step": 4, "resumed_from_step": 4, "steps_redone": 0, "recovery_s": 12.25,
+             "cause": "rollout worker 0 failed 4 times in a row"}]
+    (run / RECOVERIES_LOG).write_text("".join(json.dumps(r) + "\n" for r in lost))
+    res = invoke("inspect", str(run))
+    assert res.exit_code == 0, res.output
+    assert "2 restart(s) after a lost process or node: 2 step(s) redone, 44 s recovering" in " ".join(res.output.split())
+    assert table_row(res.output, "1")[1:5] == ["4", "2", "2", "31.5"]
+    report = (run / "report" / "report.html").read_text()
+    assert "Restarts after a lost process or node" in report and "the learner died during step 4 (node lost)" in report

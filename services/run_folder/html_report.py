@@ -38,6 +38,13 @@ img { max-width: 100%; }
 <td>{{ fmt(m.max) }} ({{ m.max_step }})</td></tr>
 {% endfor %}</table>{% else %}<p>No metrics logged yet.</p>{% endif %}
 
+{% if run.recoveries %}<h2>Restarts after a lost process or node</h2>
+<table><tr><th>restart</th><th>failed at step</th><th>resumed from</th><th>steps redone</th><th>recovery (s)</th>
+<th>cause</th></tr>
+{% for r in run.recoveries %}<tr><td>{{ r.restart }}</td><td>{{ r.failed_step }}</td><td>{{ r.resumed_from_step }}</td>
+<td>{{ r.steps_redone }}</td><td>{{ fmt(r.recovery_s) }}</td><td>{{ r.cause }}</td></tr>
+{% endfor %}</table>{% endif %}
+
 <h2>Rollbacks and anomaly events</h2>
 {% if run.rollbacks %}<table><tr><th>rollback</th><th>detected at step</th><th>restored step</th><th>lr scale</th>
 <th>reasons</th></tr>

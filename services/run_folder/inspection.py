@@ -38,7 +38,7 @@ def _f(value: float) -> str:
 
 
 def inspection_tables(ins: Inspection) -> list[Table]:
-    """Key metrics (last/min/max), base vs final eval, and the rollbacks and anomaly events."""
+    """Key metrics (last/min/max), base vs final eval, the rollbacks and anomaly events, and the restarts."""
     run = ins.run
     metrics = Table(title=f"{run.name}: {len(run.metrics)} steps logged")
     for col in ("metric", "last", "min (step)", "max (step)"):
@@ -67,6 +67,17 @@ def inspection_tables(ins: Inspection) -> list[Table]:
                        f"until step {a.get('until_step')}, batch {a.get('batch')}")
     if run.rollbacks or run.anomalies:
         tables.append(events)
+    if run.recoveries:
+        lost = sum(r.get("steps_redone", 0) for r in run.recoveries)
+        seconds = sum(r.get("recovery_s", 0.0) for r in run.recoveries)
+        restarts = Table(title=f"{len(run.recoveries)} restart(s) after a lost process or node: {lost} step(s) "
+                               f"redone, {seconds:.0f} s recovering")
+        for col in ("restart", "failed at step", "resumed from", "steps redone", "recovery (s)", "cause"):
+            restarts.add_column(col, justify="left" if col == "cause" else "right")
+        for r in run.recoveries:
+            restarts.add_row(str(r.get("restart")), str(r.get("failed_step")), str(r.get("resumed_from_step")),
+                             str(r.get("steps_redone")), _f(r.get("recovery_s")), str(r.get("cause")))
+        tables.append(restarts)
     return tables
 
 

@@ -2,6 +2,7 @@
 reward-hacking verdict. Nothing here needs the run's models: only the files `steadyrl train` wrote.
 
     config.yaml  metrics.jsonl  evals.json  samples_step_NNNN.{png,txt}  rollbacks.jsonl  anomalies.jsonl
+    recoveries.jsonl
 """
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from pydantic import Field
 
 from steadyrl.rollout.settings_base import StrictModel
 from steadyrl.services.run_folder.metrics import read_metrics
+from steadyrl.services.run_folder.recoveries import read_recoveries
 
 SAMPLE_SUFFIXES = (".png", ".txt", ".md", ".json")  # what a testbed's save_eval writes next to samples_step_NNNN
 
@@ -34,6 +36,7 @@ class RunFolder:
     rollbacks: list[dict[str, Any]] = field(default_factory=list)
     anomalies: list[dict[str, Any]] = field(default_factory=list)
     samples: dict[int, list[Path]] = field(default_factory=dict)
+    recoveries: list[dict[str, Any]] = field(default_factory=list)  # restarts after a lost process or node
 
     @property
     def name(self) -> str:
@@ -98,7 +101,7 @@ def load_run(path: str | Path) -> RunFolder:
     return RunFolder(path=path, config_text=(path / "config.yaml").read_text(), metrics=read_metrics(path),
                      evals=read_evals(path),
                      rollbacks=_jsonl(path / "rollbacks.jsonl"), anomalies=_jsonl(path / "anomalies.jsonl"),
-                     samples=samples)
+                     samples=samples, recoveries=read_recoveries(path))
 
 
 # ---------------------------------------------------------------------------------------- key metrics
