@@ -1,13 +1,15 @@
 """A real multi-node Ray cluster on this machine: a head and three worker raylets on 127.0.0.1, each with its own
 object store, labelled by role. `ray.roles` puts the rollout workers, the learner ranks and the reward replicas on
 their own nodes; batches and weights then cross between object stores, and the run computes what one node does,
-bit for bit. Nothing listens beyond loopback."""
+bit for bit. Nothing listens beyond loopback. Last, a run loses each role's node (its raylet and every worker on
+it) and still ends as the undisturbed run."""
 from __future__ import annotations
 
 import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import psutil
@@ -16,6 +18,7 @@ import torch
 from safetensors.torch import load_file
 
 from steadyrl.services.run_folder.metrics import read_metrics
+from steadyrl.services.run_folder.recoveries import read_recoveries
 from tests.helpers import SMOKE_SHORT, computed_metrics, wait_for
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -24,6 +27,8 @@ LABEL = "steadyrl.io/role"
 ROLES = [f"ray.roles.rollout.labels={{'{LABEL}': rollout}}", f"ray.roles.reward.labels={{'{LABEL}': reward}}",
          "ray.roles.learner.resources={learner_node: 1}"]
 LOOPBACK = {"127.0.0.1", "::ffff:127.0.0.1", "::1"}
+#: each role's node also has a custom resource of its own (the node-loss test places the roles by these)
+ROLE_RESOURCES = {"rollout": {"rollout_node": 1}, "learner": {"learner_node": 2}, "reward": {"reward_node": 1}}
 
 
 @pytest.fixture(scope="module")
@@ -38,7 +43,7 @@ def cluster():
         cluster = Cluster(initialize_head=True, head_node_args=dict(
             num_cpus=1, node_ip_address="127.0.0.1", labels={LABEL: "head"}, include_dashboard=False))
         nodes = {role: cluster.add_node(num_cpus=2, node_ip_address="127.0.0.1", labels={LABEL: role},
-                                        resources={"learner_node": 2} if role == "learner" else {})
+                                        resources=ROLE_RESOURCES[role])
                  for role in ("rollout", "learner", "reward")}
         cluster.wait_for_nodes()
     finally:
@@ -141,3 +146,61 @@ def test_a_role_setting_ray_cannot_take_is_a_config_error_naming_it(override, me
 
     with pytest.raises(ConfigError, match=message):
         load_config(CONFIG_DIR / "smoke.yaml", [override])
+
+
+#: the roles by the custom resources of their nodes (a spare node can carry all three; a label has one value)
+BY_RESOURCES = ["ray.roles.rollout.resources={rollout_node: 1}", "ray.roles.learner.resources={learner_node: 1}",
+                "ray.roles.reward.resources={reward_node: 0.01}"]
+
+
+def steps_logged(run: Path) -> int:
+    return len(read_metrics(run)) if (run / "metrics.jsonl").exists() else 0
+
+
+def test_a_run_that_loses_its_rollout_reward_and_learner_nodes_ends_as_the_undisturbed_run(cluster, smoke_straight,
+                                                                                          tmp_path):
+    """Last in this module: it removes the role nodes. The roles placed by custom resources, which a spare
+    node added once the run is placed also has: the rollout worker comes back there and its call is re-issued,
+    Serve replaces the reward replica there and scoring retries, and the lost learner's run restarts itself
+    from the step-3 checkpoint there (run.max_restarts). The run ends as the run on one node nobody disturbed,
+    bit for bit, and says what the losses cost (recoveries.jsonl)."""
+    from ray._private import ray_constants
+
+    cluster, nodes = cluster
+    run = tmp_path / "run"
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    driver = subprocess.Popen(
+        [sys.executable, "-m", "steadyrl.services.driver.cli", "train", "configs/smoke.yaml",
+         f"ray.address={cluster.address}", f"run.run_dir={run}", *SMOKE_SHORT, *BY_RESOURCES],
+        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    losses: dict[str, float] = {}
+    try:
+        wait_for(lambda: steps_logged(run) >= 1 or driver.poll() is not None, "the first step", 600)
+        before, ray_constants.ENABLE_RAY_CLUSTER = ray_constants.ENABLE_RAY_CLUSTER, False  # the spare on loopback
+        try:  # capacity for every role, now that each is placed on its own node
+            cluster.add_node(num_cpus=2, node_ip_address="127.0.0.1",
+                             resources={k: v for r in ROLE_RESOURCES.values() for k, v in r.items()})
+            cluster.wait_for_nodes()
+        finally:
+            ray_constants.ENABLE_RAY_CLUSTER = before
+        for role, after_step in (("rollout", 1), ("reward", 2), ("learner", 4)):
+            wait_for(lambda: steps_logged(run) >= after_step or driver.poll() is not None, f"step {after_step}", 600)
+            cluster.remove_node(nodes[role], allow_graceful=False)
+            losses[role] = time.time()
+        output, _ = driver.communicate(timeout=900)
+    finally:
+        if driver.poll() is None:
+            driver.kill()
+    assert driver.returncode == 0, output[-5000:]
+    assert set(losses) == {"rollout", "reward", "learner"}
+    rows = read_metrics(run)
+    same_run(run, smoke_straight.run_dir)  # metrics, evaluations and checkpointed weights, bitwise
+    assert [r["rollout/samples"] for r in rows] == [40.0] * 6 and [r["policy/samples"] for r in rows] == [40.0] * 6
+    assert sum(r["faults/rollout_restarts"] for r in rows) >= 1  # the lost rollout worker, re-issued
+    (recovery,) = read_recoveries(run)  # only the learner's loss needed a restart from the checkpoint
+    assert recovery["resumed_from_step"] == 3 and recovery["failed_step"] >= 5 and "learner" in recovery["cause"]
+    assert recovery["steps_redone"] == recovery["failed_step"] - 3 and recovery["recovery_s"] > 0
+    actors = json.loads((run / "actors.json").read_text())["actors"]
+    assert all(a["node_id"] not in {n.node_id for n in nodes.values()} for a in actors.values())  # on the spare
+    print("restart:", recovery, "rollout restarts:", sum(r["faults/rollout_restarts"] for r in rows),
+          "reward retries:", sum(r["faults/reward_retries"] for r in rows))
