@@ -81,3 +81,4 @@ def test_a_ray_runs_batches_never_pass_through_the_driver(smoke_straight):
         assert r["handoff/driver_inlined_bytes"] == 0, r
         assert r["handoff/batch_bytes"] > samples, r  # samples, trajectories, log-probs, rewards...
         assert 0 < r["handoff/driver_bytes"] < r["handoff/batch_bytes"] / 10, r  # summaries and metrics
+        assert r["handoff/cross_node_batch_bytes"] == r["handoff/cross_node_weight_bytes"] == 0, r  # one node

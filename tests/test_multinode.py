@@ -105,6 +105,11 @@ def test_roles_run_on_their_nodes_listen_on_loopback_and_the_run_equals_one_node
     assert {a["role"]: a["node_id"] for a in actors.values()} == \
         {"rollout": nodes["rollout"].node_id, "learner": nodes["learner"].node_id}
     same_run(tmp_path / "run", smoke_straight.run_dir)
+    # every batch crosses from the rollout node's object store to the learner's, every policy the other way
+    for row in read_metrics(tmp_path / "run"):
+        assert row["handoff/cross_node_batch_bytes"] == row["handoff/batch_bytes"] > 0, row
+        assert row["handoff/cross_node_weight_bytes"] > 0, row
+        assert row["handoff/driver_tensor_bytes"] < row["handoff/batch_bytes"] / 100, row  # summaries only
 
 
 def test_two_learner_ranks_on_their_node_train_as_two_ranks_on_one_node_bitwise(cluster, ray_cluster, serve_port,

@@ -9,6 +9,15 @@ fetches a value (`remote.wait_all`/`get_all`, the rollout pool's waits), that va
 (recursing into dicts, lists, tuples and dataclasses; tensors are never pickled), plus the step's batches that
 Ray returned inline to the driver (objects under its `max_direct_call_object_size`, 100 KB by default, travel
 in the task's reply to their owner, the driver, which then ships them to the learner as arguments).
+Across nodes, the bytes that must cross between object stores are counted from where Ray holds each object
+(`ray.experimental.get_object_locations`) and which nodes read it:
+
+    cross(x) = size(x) * |nodes reading x  -  nodes holding x|
+
+for each step's batches (held where a rollout worker made them, read by the learner ranks' nodes) and each
+published policy's weights (made on the learner's node, read by the rollout workers' nodes; `ray.weight_sync:
+object_store`). Ray moves an object to a node once, whatever the number
+of readers there. On one node both are 0.
 The controller logs them per step as `handoff/*` (`DriverBytes.take`); evaluations run between steps and are
 kept apart (`DriverBytes.evaluations`, in the driver process: read by benchmarks/handoff.py). The local runtime
 fetches nothing: a sample never leaves its one process, and every `handoff/*` figure is 0 there.
@@ -60,6 +69,8 @@ class DriverBytes:
     tensor: int = 0
     inlined: int = 0
     batches: int = 0
+    cross_batches: int = 0
+    cross_weights: int = 0
     evaluations: list[dict[str, int]] = field(default_factory=list)
 
     def fetched(self, value: Any) -> Any:
@@ -69,10 +80,11 @@ class DriverBytes:
         self.tensor += tensor
         return value
 
-    def batch_refs(self, refs: Sequence[Any]) -> None:
-        """Count a step's batch refs (their tasks done): each one's serialized size, and those Ray holds in the
+    def batch_refs(self, refs: Sequence[Any], readers: set[str] = frozenset()) -> None:
+        """Count a step's batch refs (their tasks done): each one's serialized size, those Ray holds in the
         driver's own memory store (inlined: no object-store node holds them, nor spilled them) as bytes that reached
-        the driver."""
+        the driver, and those stored on a node other than the nodes in `readers` (the learner ranks') as bytes
+        that cross between object stores."""
         import ray  # the Ray runtime's alone: the local runtime counts nothing and runs without Ray
 
         for info in ray.experimental.get_object_locations(list(refs)).values():
@@ -81,14 +93,27 @@ class DriverBytes:
             # a location not reported yet also reads as no node: only an object Ray could inline counts
             if size <= inline_limit() and not info.get("node_ids") and not info.get("did_spill"):
                 self.inlined += size
+            elif info.get("node_ids"):
+                self.cross_batches += size * len(set(readers) - set(info["node_ids"]))
+
+    def weights_ref(self, ref: Any, origin: set[str], readers: set[str]) -> None:
+        """Count published weights: their size once for each node in `readers` (the rollout workers') other than
+        the `origin` nodes that made them (the learner's; asked after the workers fetched them, Ray would list
+        their nodes as holders too)."""
+        import ray
+
+        info = ray.experimental.get_object_locations([ref])[ref]
+        self.cross_weights += int(info.get("object_size") or 0) * len(set(readers) - set(origin))
 
     def take(self) -> dict[str, float]:
         """The `handoff/*` metrics since the last take, and start again at 0. Inlined batches are sample tensors:
         they count in `driver_bytes` and `driver_tensor_bytes` both."""
         out = {"handoff/driver_bytes": float(self.total + self.inlined),
                "handoff/driver_tensor_bytes": float(self.tensor + self.inlined),
-               "handoff/driver_inlined_bytes": float(self.inlined), "handoff/batch_bytes": float(self.batches)}
-        self.total = self.tensor = self.inlined = self.batches = 0
+               "handoff/driver_inlined_bytes": float(self.inlined), "handoff/batch_bytes": float(self.batches),
+               "handoff/cross_node_batch_bytes": float(self.cross_batches),
+               "handoff/cross_node_weight_bytes": float(self.cross_weights)}
+        self.total = self.tensor = self.inlined = self.batches = self.cross_batches = self.cross_weights = 0
         return out
 
     def evaluated(self, step: int) -> None:

@@ -104,7 +104,14 @@ class RolloutPool:
         # a ref: the driver never fetches tensors
         self.current = PolicyWeights(version, self.learner.sampling_weights())
         box = self.current.boxed()
-        return max(self._on_workers(lambda w: w.set_weights.remote(version, box)))
+        seconds = max(self._on_workers(lambda w: w.set_weights.remote(version, box)))
+        if self.current.ref is not None:
+            DRIVER_FETCHES.weights_ref(self.current.ref, self._nodes("learner"), self._nodes("rollout"))
+        return seconds
+
+    def _nodes(self, role: str) -> set[str]:
+        """The Ray node ids the role's actors run on (actors.json's, kept as workers restart)."""
+        return {info["node_id"] for info in self.infos.values() if info["role"] == role}
 
     def _form_weight_group(self) -> None:
         """(Re)build the broadcast group: learner rank 0 is member 0, worker i member i+1, rendezvous at rank 0's
@@ -135,7 +142,7 @@ class RolloutPool:
         launch = self.launches.pop(step)
         outs = self._collect(launch.refs, self._generate_call(step, launch.weights))
         batches = [refs[0] for refs, _ in outs]
-        DRIVER_FETCHES.batch_refs(batches)
+        DRIVER_FETCHES.batch_refs(batches, self._nodes("learner"))
         return batches, [summary for _, summary in outs]
 
     @staticmethod
