@@ -156,6 +156,10 @@ class RolePlacement(StrictModel):
             raise ValueError(f"amounts must be > 0, got {resources}")
         return resources
 
+    def bundle(self, cpus: float, gpus: float) -> dict[str, float]:
+        """What one of the role's actors asks Ray for: `cpus` CPUs, `gpus` GPUs (when > 0), its custom resources."""
+        return {"CPU": cpus, **({"GPU": gpus} if gpus > 0 else {}), **self.resources}
+
     def ray_options(self) -> dict[str, Any]:
         """These as Ray actor options (`resources`, `label_selector`), only those set."""
         return {**({"resources": dict(self.resources)} if self.resources else {}),

@@ -24,7 +24,7 @@ from rich.console import Console
 from steadyrl.rollout.cache import write_text_atomically
 from steadyrl.services.config import ConfigError, TrainConfig, dump_config, load_config
 from steadyrl.services.driver.console import progress_bar, summary_table
-from steadyrl.services.driver.resume import auto_resume_step, check_resume, record_resume
+from steadyrl.services.driver.resume import auto_resume_from, check_resume, record_resume
 from steadyrl.services.driver.run_health import RunHealth
 from steadyrl.services.run_folder.checkpoints import (ACTORS_FILE, CHECKPOINTS, CONTROLLER_STATE, RunFailed,  # noqa: F401
                                            checkpoint_before, drop_checkpoints_after, latest_checkpoint,
@@ -390,19 +390,19 @@ def train(config: str | Path | None = None, overrides: list[str] | tuple[str, ..
         return continue_run(cfg, saved, run_dir, step, allow_changes, console, progress)
     cfg = load_config(config, overrides)
     check_can_start(cfg)  # before Ray starts and the run folder exists
-    step = auto_resume_step(cfg) if cfg.run.resume == "auto" else None
-    if step is None:
+    found = auto_resume_from(cfg) if cfg.run.resume == "auto" else None
+    if found is None:
         run_dir = new_run_dir(cfg)
         if cfg.run.resume == "auto" and (run_dir / "metrics.jsonl").exists():  # an attempt that died before its
             (run_dir / "metrics.jsonl").unlink()  # first checkpoint: its rows would precede the new ones
             console.print(f"run.resume=auto: no checkpoint in {run_dir}: the run starts there afresh")
         return run_restarting(cfg, run_dir, console, progress, resume=False)
-    run_dir = Path(cfg.run.run_dir)
+    run_dir, (saved, step) = Path(cfg.run.run_dir), found
     if step >= cfg.run.steps:
         console.print(f"run.resume=auto: {run_dir} has finished its {step} steps; nothing to do")
         return finished_run(run_dir, step)
     console.print(f"run.resume=auto: continuing {run_dir} from its step-{step} checkpoint")
-    return continue_run(cfg, load_config(run_dir / "config.yaml"), run_dir, step, False, console, progress)
+    return continue_run(cfg, saved, run_dir, step, False, console, progress)
 
 
 def continue_run(cfg: TrainConfig, saved: TrainConfig, run_dir: Path, step: int, allow_changes: bool,

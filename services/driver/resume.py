@@ -40,16 +40,26 @@ def config_changes(saved: TrainConfig, resumed: TrainConfig) -> dict[str, tuple[
     return {k: (old.get(k), new.get(k)) for k in sorted(old.keys() | new.keys()) if old.get(k) != new.get(k)}
 
 
+def meaning_changes(changes: dict[str, tuple[Any, Any]]) -> dict[str, tuple[Any, Any]]:
+    """Those of `changes` that change what the run computes (outside the resume-safe settings)."""
+    return {k: v for k, v in changes.items() if not resume_safe(k)}
+
+
+def listed(changes: dict[str, tuple[Any, Any]]) -> str:
+    """'key: saved -> resumed, ...' for an error message."""
+    return ", ".join(f"{k}: {a!r} -> {b!r}" for k, (a, b) in changes.items())
+
+
 def check_resume(saved: TrainConfig, resumed: TrainConfig, from_step: int,
                  allow_changes: bool = False) -> dict[str, tuple[Any, Any]]:
     """The changes a resume makes; raises ConfigError naming each one outside RESUME_SAFE (unless
     `allow_changes`) and when run.steps does not reach past the checkpoint."""
     changes = config_changes(saved, resumed)
-    meaning = [k for k in changes if not resume_safe(k)]
+    meaning = meaning_changes(changes)
     if meaning and not allow_changes:
-        listed = ", ".join(f"{k}: {changes[k][0]!r} -> {changes[k][1]!r}" for k in meaning)
-        raise ConfigError(f"--resume would change what the run computes ({listed}); resume without these overrides, "
-                          f"start a new run, or pass --allow-changes to continue anyway (recorded in {RESUMES_LOG})")
+        raise ConfigError(f"--resume would change what the run computes ({listed(meaning)}); resume without these "
+                          "overrides, start a new run, or pass --allow-changes to continue anyway (recorded in "
+                          f"{RESUMES_LOG})")
     if resumed.run.steps <= from_step:
         raise ConfigError(f"run.steps={resumed.run.steps}: the latest checkpoint is already at step {from_step}; "
                           f"pass run.steps=N with N > {from_step} to train further")
@@ -60,15 +70,15 @@ def record_resume(run_dir: Path, from_step: int, changes: dict[str, tuple[Any, A
     """Append one line to the run folder's resume log: when, from which step, and what changed."""
     entry = {"time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "from_step": from_step,
              "changes": {k: {"saved": a, "resumed": b} for k, (a, b) in changes.items()},
-             "meaning_changed": sorted(k for k in changes if not resume_safe(k))}
+             "meaning_changed": sorted(meaning_changes(changes))}
     with (Path(run_dir) / RESUMES_LOG).open("a") as f:
         f.write(json.dumps(entry) + "\n")
 
 
-def auto_resume_step(cfg: TrainConfig) -> int | None:
-    """run.resume=auto: the step of run.run_dir's latest checkpoint to continue from, or None where the folder
-    holds no checkpoint (the run starts there afresh). Raises ConfigError where run.run_dir is unset, or where the
-    folder's run differs from `cfg` in a setting outside the resume-safe ones (the same rule as --resume)."""
+def auto_resume_from(cfg: TrainConfig) -> tuple[TrainConfig, int] | None:
+    """run.resume=auto: run.run_dir's saved config and the step of its latest checkpoint to continue from, or None
+    where the folder holds no checkpoint (the run starts there afresh). Raises ConfigError where the folder's run
+    differs from `cfg` in a setting outside the resume-safe ones (the same rule as --resume)."""
     from steadyrl.services.config import load_config
     from steadyrl.services.run_folder.checkpoints import latest_state
 
@@ -76,12 +86,11 @@ def auto_resume_step(cfg: TrainConfig) -> int | None:
     if not (run_dir / "config.yaml").exists():
         return None
     saved = load_config(run_dir / "config.yaml")
-    meaning = {k: v for k, v in config_changes(saved, cfg).items() if not resume_safe(k)}
+    meaning = meaning_changes(config_changes(saved, cfg))
     if meaning:
-        listed = ", ".join(f"{k}: {a!r} -> {b!r}" for k, (a, b) in meaning.items())
-        raise ConfigError(f"run.resume=auto: {run_dir} holds a run whose config differs ({listed}); set another "
-                          f"run.run_dir, or continue that run with `steadyrl train --resume {run_dir}`")
+        raise ConfigError(f"run.resume=auto: {run_dir} holds a run whose config differs ({listed(meaning)}); set "
+                          f"another run.run_dir, or continue that run with `steadyrl train --resume {run_dir}`")
     try:
-        return int(latest_state(run_dir)[1]["step"])
+        return saved, int(latest_state(run_dir)[1]["step"])
     except FileNotFoundError:
         return None

@@ -39,8 +39,7 @@ class RoleDemand:
 
 def role_demand(role: str, settings: str, cpus: float, gpus: float, placement: RolePlacement) -> RoleDemand:
     """One actor's demand: `cpus` CPUs, `gpus` GPUs (when > 0), and the role's custom resources and labels."""
-    resources = {"CPU": cpus, **({"GPU": gpus} if gpus > 0 else {}), **placement.resources}
-    return RoleDemand(role, settings, resources, dict(placement.labels))
+    return RoleDemand(role, settings, placement.bundle(cpus, gpus), dict(placement.labels))
 
 
 def reward_demand(cfg: TrainConfig, testbed: Testbed) -> RoleDemand:
@@ -69,8 +68,8 @@ def check_roles_fit(demands: list[RoleDemand], nodes: list[dict[str, Any]] | Non
              "has one" for d in misfits]
     offered = [f"  node {n.get('NodeManagerAddress')}: {_describe(_plain(n.get('Resources') or {}), _own(n))}"
                for n in alive]
-    raise RoleUnplaceable("\n".join([*lines, "the cluster's nodes:", *offered,
-                                     "(on an autoscaling cluster, whose nodes start on demand: ray.check_nodes=false)"]))
+    autoscaling = "(on an autoscaling cluster, whose nodes start on demand: ray.check_nodes=false)"
+    raise RoleUnplaceable("\n".join([*lines, "the cluster's nodes:", *offered, autoscaling]))
 
 
 def _describe(resources: dict[str, float], labels: dict[str, str]) -> str:

@@ -30,7 +30,7 @@ def reserve_bundles(n: int, cpus: float, gpus: float, strategy: str, name: str, 
     """A placement group of n bundles of `cpus` CPUs (and `gpus` GPUs when > 0, and `role`'s custom resources),
     one actor each, on nodes carrying `role`'s labels; waits until it is reserved (`wait_for_placement`)."""
     role = role or RolePlacement()
-    bundle = {"CPU": cpus, **({"GPU": gpus} if gpus else {}), **role.resources}
+    bundle = role.bundle(cpus, gpus)
     selector = {"bundle_label_selector": [dict(role.labels) for _ in range(n)]} if role.labels else {}
     pg = placement_group([dict(bundle) for _ in range(n)], strategy=strategy, name=name, **selector)
     on = f" on nodes labelled {role.labels}" if role.labels else ""
