@@ -117,7 +117,7 @@ class Recovering:
         entry = {"time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "restart": self.restart,
                  "failed_step": self.failure.failed_step, "resumed_from_step": resumed_from,
                  "steps_redone": (self.failure.failed_step or resumed_from) - resumed_from,
-                 "recovery_s": round(time.time() - self.failed_at, 3), "cause": str(self.failure).split("; ")[0]}
+                 "recovery_s": round(time.time() - self.failed_at, 3), "cause": self.failure.cause}
         append_recovery(run_dir, entry)
         console.print(f"[yellow]restart {self.restart}: back at step {resumed_from} after {entry['cause']} "
                       f"({entry['steps_redone']} step(s) to redo, {entry['recovery_s']:.0f} s to recover)",
@@ -179,8 +179,9 @@ class Controller:
                         step = self.steps_done = self.roll_back(back.checkpoint, back.collapse)
                         bar(self.steps_done, back.metrics)
         except ComponentFailed as err:
-            raise RunFailed(f"{err.during(self.steps_done + 1)}; nothing after step {self.steps_done} was kept"
-                            + resume_hint(self.run_dir), failed_step=self.steps_done + 1, restartable=True) from None
+            cause = err.during(self.steps_done + 1)
+            raise RunFailed(f"{cause}; nothing after step {self.steps_done} was kept" + resume_hint(self.run_dir),
+                            failed_step=self.steps_done + 1, restartable=True, cause=cause) from None
         except KeyboardInterrupt as err:  # Ctrl-C, or SIGTERM (`signals.Terminated`)
             interrupted, exit_status = True, stop_status(err)
             ckpt = latest_checkpoint(self.run_dir)
@@ -428,9 +429,9 @@ def run_restarting(cfg: TrainConfig, run_dir: Path, console: Console, progress: 
             if not failure.restartable or latest_checkpoint(run_dir) is None or restart > cfg.run.max_restarts:
                 if failure.restartable and restart > 1:
                     raise RunFailed(f"{failure} (after {restart - 1} restart(s), run.max_restarts="
-                                    f"{cfg.run.max_restarts})", failure.failed_step) from None
+                                    f"{cfg.run.max_restarts})", failure.failed_step, cause=failure.cause) from None
                 raise
-            console.print(f"[yellow]{failure}; restarting from the last checkpoint ({restart} of "
+            console.print(f"[yellow]{failure.cause}; restarting from the last checkpoint ({restart} of "
                           f"run.max_restarts={cfg.run.max_restarts})", soft_wrap=True)
             recovering, resume = Recovering(restart, failure, time.time()), True
     raise AssertionError("unreachable: the last attempt returns or raises")

@@ -21,13 +21,14 @@ ACTORS_FILE = "actors.json"  # where a Ray run lists its actors (role, pid, node
 
 class RunFailed(RuntimeError):
     """A failure the run cannot recover from in place (a learner rank died, a worker past its retries); the
-    message names the component, the step, and how to resume from the last checkpoint. `failed_step`: the step
-    under way; `restartable`: a lost process or node (not the run's own error), which a restart from the last
-    checkpoint on the nodes left may get past (`run.max_restarts`)."""
+    message names the component, the step, and how to resume from the last checkpoint. `cause`: what failed
+    during which step, alone; `failed_step`: the step under way; `restartable`: a lost process or node (not the
+    run's own error), which a restart from the last checkpoint on the nodes left may get past (`run.max_restarts`)."""
 
-    def __init__(self, message: str, failed_step: int | None = None, restartable: bool = False):
+    def __init__(self, message: str, failed_step: int | None = None, restartable: bool = False,
+                 cause: str | None = None):
         super().__init__(message)
-        self.failed_step, self.restartable = failed_step, restartable
+        self.failed_step, self.restartable, self.cause = failed_step, restartable, cause or message
 
 
 def latest_checkpoint(run_dir: Path) -> Path | None:
