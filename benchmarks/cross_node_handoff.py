@@ -29,9 +29,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from steadyrl.services.run_folder.metrics import read_metrics  # noqa: E402
+from tests.helpers import ROLE_LABEL as LABEL  # noqa: E402
+from tests.helpers import loopback_cluster  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"
-LABEL = "steadyrl.io/role"
 ROLES = [f"ray.roles.{role}.labels={{'{LABEL}': {role}}}" for role in ("rollout", "learner", "reward")]
 KEYS = ("handoff/cross_node_batch_bytes", "handoff/cross_node_weight_bytes", "handoff/driver_bytes",
         "handoff/driver_tensor_bytes", "handoff/batch_bytes", "timing_s/sync", "timing_s/step")
@@ -55,23 +56,6 @@ def train(run_dir: Path, address: str | None, steps: int, *extra: str) -> list[d
     return read_metrics(run_dir)
 
 
-def one_machine_cluster():
-    """A head and one node per role, every server on 127.0.0.1 (as tests/test_multinode.py starts them)."""
-    from ray._private import ray_constants
-    from ray.cluster_utils import Cluster
-
-    before, ray_constants.ENABLE_RAY_CLUSTER = ray_constants.ENABLE_RAY_CLUSTER, False
-    try:
-        cluster = Cluster(initialize_head=True, head_node_args=dict(
-            num_cpus=1, node_ip_address="127.0.0.1", labels={LABEL: "head"}, include_dashboard=False))
-        for role in ("rollout", "learner", "reward"):
-            cluster.add_node(num_cpus=2, node_ip_address="127.0.0.1", labels={LABEL: role})
-        cluster.wait_for_nodes()
-    finally:
-        ray_constants.ENABLE_RAY_CLUSTER = before
-    return cluster
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="3 steps instead of 8")
@@ -80,7 +64,7 @@ def main() -> None:
     steps = 3 if args.quick else 8
     with tempfile.TemporaryDirectory() as tmp:
         one_node = train(Path(tmp) / "one", None, steps, "ray.num_cpus=2")
-        cluster = one_machine_cluster()
+        cluster, _ = loopback_cluster({role: {} for role in ("rollout", "learner", "reward")})
         try:
             across = train(Path(tmp) / "cluster", cluster.address, steps, *ROLES)
         finally:

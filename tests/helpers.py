@@ -282,3 +282,35 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+ROLE_LABEL = "steadyrl.io/role"
+
+
+@contextmanager
+def on_loopback() -> Iterator[None]:
+    """Ray nodes started inside listen on 127.0.0.1 only: Ray takes 127.0.0.1 as the node address while
+    `ENABLE_RAY_CLUSTER` is off, as `init_ray` starts a local Ray."""
+    from ray._private import ray_constants
+
+    before, ray_constants.ENABLE_RAY_CLUSTER = ray_constants.ENABLE_RAY_CLUSTER, False
+    try:
+        yield
+    finally:
+        ray_constants.ENABLE_RAY_CLUSTER = before
+
+
+def loopback_cluster(roles: dict[str, dict[str, float]]) -> tuple[Any, dict[str, Any]]:
+    """A multi-node Ray on this machine: a head (1 CPU; the driver's node: Serve's controller and proxy) and one
+    2-CPU raylet per role, each with its own object store, labelled `steadyrl.io/role: <role>` and carrying the
+    role's custom resources, every server on 127.0.0.1. (cluster, {role: node})."""
+    from ray.cluster_utils import Cluster
+
+    with on_loopback():
+        cluster = Cluster(initialize_head=True, head_node_args=dict(
+            num_cpus=1, node_ip_address="127.0.0.1", labels={ROLE_LABEL: "head"}, include_dashboard=False))
+        nodes = {role: cluster.add_node(num_cpus=2, node_ip_address="127.0.0.1", labels={ROLE_LABEL: role},
+                                        resources=resources)
+                 for role, resources in roles.items()}
+        cluster.wait_for_nodes()
+    return cluster, nodes

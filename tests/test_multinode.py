@@ -19,10 +19,10 @@ from safetensors.torch import load_file
 
 from steadyrl.services.run_folder.metrics import read_metrics
 from steadyrl.services.run_folder.recoveries import read_recoveries
-from tests.helpers import SMOKE_SHORT, computed_metrics, wait_for
+from tests.helpers import ROLE_LABEL as LABEL
+from tests.helpers import SMOKE_SHORT, computed_metrics, loopback_cluster, on_loopback, wait_for
 
 ROOT = Path(__file__).resolve().parents[1]
-LABEL = "steadyrl.io/role"
 #: the rollout workers and the reward replicas by node label, the learner ranks by a custom resource
 ROLES = [f"ray.roles.rollout.labels={{'{LABEL}': rollout}}", f"ray.roles.reward.labels={{'{LABEL}': reward}}",
          "ray.roles.learner.resources={learner_node: 1}"]
@@ -33,21 +33,8 @@ ROLE_RESOURCES = {"rollout": {"rollout_node": 1}, "learner": {"learner_node": 2}
 
 @pytest.fixture(scope="module")
 def cluster():
-    """Head (the driver's node: Serve's controller and proxy) and one node per role, every server on loopback
-    (Ray takes 127.0.0.1 as the node address while `ENABLE_RAY_CLUSTER` is off, as `init_ray` starts a local Ray)."""
-    from ray._private import ray_constants
-    from ray.cluster_utils import Cluster
-
-    before, ray_constants.ENABLE_RAY_CLUSTER = ray_constants.ENABLE_RAY_CLUSTER, False
-    try:
-        cluster = Cluster(initialize_head=True, head_node_args=dict(
-            num_cpus=1, node_ip_address="127.0.0.1", labels={LABEL: "head"}, include_dashboard=False))
-        nodes = {role: cluster.add_node(num_cpus=2, node_ip_address="127.0.0.1", labels={LABEL: role},
-                                        resources=ROLE_RESOURCES[role])
-                 for role in ("rollout", "learner", "reward")}
-        cluster.wait_for_nodes()
-    finally:
-        ray_constants.ENABLE_RAY_CLUSTER = before
+    """Head and one node per role (`helpers.loopback_cluster`), labelled and with a custom resource each."""
+    cluster, nodes = loopback_cluster(ROLE_RESOURCES)
     yield cluster, nodes
     cluster.shutdown()
 
@@ -169,8 +156,6 @@ def test_a_run_that_loses_its_rollout_reward_and_learner_nodes_ends_as_the_undis
     Serve replaces the reward replica there and scoring retries, and the lost learner's run restarts itself
     from the step-3 checkpoint there (run.max_restarts). The run ends as the run on one node nobody disturbed,
     bit for bit, and says what the losses cost (recoveries.jsonl)."""
-    from ray._private import ray_constants
-
     cluster, nodes = cluster
     run = tmp_path / "run"
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
@@ -181,13 +166,10 @@ def test_a_run_that_loses_its_rollout_reward_and_learner_nodes_ends_as_the_undis
     losses: dict[str, float] = {}
     try:
         wait_for(lambda: steps_logged(run) >= 1 or driver.poll() is not None, "the first step", 600)
-        before, ray_constants.ENABLE_RAY_CLUSTER = ray_constants.ENABLE_RAY_CLUSTER, False  # the spare on loopback
-        try:  # capacity for every role, now that each is placed on its own node
+        with on_loopback():  # capacity for every role, now that each is placed on its own node
             cluster.add_node(num_cpus=2, node_ip_address="127.0.0.1",
                              resources={k: v for r in ROLE_RESOURCES.values() for k, v in r.items()})
             cluster.wait_for_nodes()
-        finally:
-            ray_constants.ENABLE_RAY_CLUSTER = before
         for role, after_step in (("rollout", 1), ("reward", 2), ("learner", 4)):
             wait_for(lambda: steps_logged(run) >= after_step or driver.poll() is not None, f"step {after_step}", 600)
             cluster.remove_node(nodes[role], allow_graceful=False)
