@@ -131,10 +131,15 @@ def trickle_until_reply(url: str) -> tuple[bytes, float]:
             break
         except (TimeoutError, socket.timeout):
             continue
+        except ConnectionResetError:  # replied and closed between our byte and our read
+            break
     waited = time.perf_counter() - t0
     sock.settimeout(5)
-    while chunk := sock.recv(65536):  # the rest of the reply, until the server closes the connection
-        reply += chunk
+    try:
+        while chunk := sock.recv(65536):  # the rest of the reply, until the server closes the connection
+            reply += chunk
+    except ConnectionResetError:  # it closed with our last trickled byte unread: the kernel ends with a reset
+        pass
     sock.close()
     return reply, waited
 
