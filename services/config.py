@@ -9,6 +9,7 @@ import yaml
 
 from pydantic import Field, PrivateAttr, ValidationError, field_validator, model_validator
 
+from steadyrl.rollout.compile import CompileConfig
 from steadyrl.rollout.config import DEFAULT_SAMPLER_KIND, DDIMSamplerConfig, SamplerConfig
 from steadyrl.rollout.plugins import check_plugins
 from steadyrl.rollout.settings_base import ConfigError, StrictModel  # noqa: F401 - ConfigError: raised here
@@ -257,6 +258,11 @@ class RunConfig(StrictModel):
     name: str = "digits-grpo"
     eval_every: int = Field(20, ge=1)
     eval_seed: int = 1234
+    target_held_out: float | None = Field(
+        None, description="end the run at the first evaluation whose held-out score reaches this (digits: gold "
+        "accuracy, arith: exact match), checkpointed there, instead of going on to run.steps: what a user waits "
+        "for is a good model, not a number of steps (benchmarks/time_to_target.py). Evaluate often enough to place "
+        "the crossing (run.eval_every). None: run all run.steps")
     checkpoint_every: int = Field(20, ge=1)
     progress: bool = True
     runtime: Literal["ray", "local"] = Field(
@@ -310,6 +316,10 @@ class TrainConfig(StrictModel):
     ray: RayConfig = Field(default_factory=RayConfig)
     health: HealthConfig = Field(default_factory=HealthConfig, description="the controller's responses to a run "
                                  "going wrong: reward hacking (a raised KL weight) and collapse (a rollback)")
+    compile: CompileConfig = Field(default_factory=CompileConfig, description="torch.compile of the model passes: "
+                                   "the rollout's denoiser calls and the learner's forward and backward (off: each "
+                                   "compile costs start-up time that a short run may not earn back; figures in "
+                                   "docs/benchmarks.md)")
 
     @model_validator(mode="before")
     @classmethod
@@ -345,6 +355,10 @@ class TrainConfig(StrictModel):
             raise ValueError(f"health.anomaly answers an event by raising the KL weight, but objective "
                              f"{self.objective.name!r} has no KL term (objective.kl_coef is 0 or absent): set "
                              "objective.kl_coef > 0 or leave health.anomaly.enabled off")
+        if self.compile.rollout and getattr(self.sampler, "backend", None) == "vllm":
+            raise ValueError("compile.rollout compiles the network the rollout worker samples with, but "
+                             "sampler.backend=vllm samples in vLLM's engine: set sampler.vllm.enforce_eager=false "
+                             "for vLLM's own compilation and leave compile.rollout off")
         if self.learner.fused_adam and self.ray.learner_gpus <= 0:
             raise ValueError("learner.fused_adam=true runs DeepSpeed's CUDA kernel: it needs the learner on a GPU "
                              "(ray.learner_gpus > 0); on the CPU leave it false (torch's AdamW)")

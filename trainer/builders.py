@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from steadyrl.rollout.compile import CompileConfig, compile_network
 from steadyrl.rollout.policy import make_reference
 from steadyrl.rollout.sampler import Sampler
 from steadyrl.trainer.balanced_gradient import (BalancedGradientConfig, DualMomentum, apply_module_precision,
@@ -51,12 +52,16 @@ def build_optimizer(policy: nn.Module, cfg: LearnerConfig) -> torch.optim.Optimi
 
 def build_deepspeed_learner(policy: nn.Module, sampler: Sampler, objective_cfg: ObjectiveSettings,
                             learner_cfg: LearnerConfig, seed: int = 0,
-                            reward_fn: DifferentiableReward | None = None) -> DeepSpeedLearner:
+                            reward_fn: DifferentiableReward | None = None,
+                            compile_cfg: CompileConfig | None = None) -> DeepSpeedLearner:
     """The learner for these settings: objective, prepared policy, reference and optimiser built here, in
-    that order, then passed in (its rank's environment must be set)."""
+    that order, then passed in (its rank's environment must be set). `compile_cfg.update`: the policy's network
+    compiled after the reference is copied from it (the reference stays eager)."""
     objective = build_objective(objective_cfg)
     prepare_network(policy, learner_cfg.balanced)
     reference = build_reference(policy)
+    if compile_cfg is not None and compile_cfg.update:
+        compile_network(policy, compile_cfg)
     optimizer = build_optimizer(policy, learner_cfg)
     return DeepSpeedLearner(policy, sampler, objective, learner_cfg, reference=reference, optimizer=optimizer,
                             seed=seed, reward_fn=reward_fn)

@@ -33,6 +33,7 @@ from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
 from steadyrl.rollout.batch import RolloutBatch
+from steadyrl.rollout.compile import compile_seconds, is_compiled
 from steadyrl.rollout.policy import load_trainable_state, state_bytes, trainable_state
 from steadyrl.rollout.sampler import Sampler
 from steadyrl.trainer.balanced_gradient import RollingQuantileClipper, scale_module_gradients
@@ -201,11 +202,13 @@ class DeepSpeedLearner:
         if self.cfg.max_staleness > 0:
             metrics["async/staleness_max"] = float(lag.max())
         micro = self._micro_batches(batch)  # this rank's prompt groups, shuffled, split
-        t0 = time.perf_counter()
+        t0, compiled_s = time.perf_counter(), compile_seconds()
         olds, recompute_metrics = self._recompute_old(micro)  # 2. the no-grad pre-pass
         metrics.update(recompute_metrics)
         metrics["timing_s/old_policy"] = time.perf_counter() - t0
         sums, grad_norms, optimiser_steps = self._optimise(micro, olds)  # 3. inner epochs of optimisation steps
+        if is_compiled(self.policy):  # seconds of this update spent compiling its graphs (first shapes)
+            metrics["timing_s/update_compile"] = compile_seconds() - compiled_s
         self.updates += 1
         metrics.update(sums.result())
         metrics.update(self.splitter.metrics())  # memory/splits, memory/piece_size_min (trainer/memory_split.py)

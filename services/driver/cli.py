@@ -294,6 +294,8 @@ _PROXY_GAIN = typer.Option(0.02, help="verdict: proxy rise since the base eval t
 _GOLD_DROP = typer.Option(0.02, help="verdict: held-out (gold) drop since the base eval that, with the proxy rise, "
                           "flags reward hacking")
 _DIVERSITY_DROP = typer.Option(0.5, help="verdict: relative fall of nearest-neighbour diversity that flags it alone")
+_TARGET = typer.Option(None, help="a held-out level (e.g. 0.95): the first evaluated step at or above it, the "
+                       "seconds of training steps and the samples until then")
 
 
 @app.command("inspect")
@@ -301,16 +303,16 @@ def inspect_cmd(
     run_dir: Path = typer.Argument(..., help="a run folder written by `steadyrl train`"),
     out: Optional[Path] = typer.Option(None, help="where dashboard.png and report.html go (default RUN_DIR/report)"),
     min_proxy_gain: float = _PROXY_GAIN, min_gold_drop: float = _GOLD_DROP,
-    max_diversity_drop: float = _DIVERSITY_DROP,
+    max_diversity_drop: float = _DIVERSITY_DROP, target: Optional[float] = _TARGET,
 ) -> None:
     """Key metrics, base vs final eval, rollbacks/anomalies and the reward-hacking verdict as tables; the
-    training-health dashboard (PNG) and a one-page HTML report."""
+    training-health dashboard (PNG) and a one-page HTML report; with --target, the time to that held-out."""
     from steadyrl.services.run_folder.inspection import inspect_run, inspection_tables
     from steadyrl.services.run_folder.reader import NotARunFolder
 
     rule = _hacking_rule(min_proxy_gain, min_gold_drop, max_diversity_drop)
     try:
-        ins = inspect_run(run_dir, out, rule)
+        ins = inspect_run(run_dir, out, rule, target)
     except NotARunFolder as err:
         _fail(str(err))
     for table in inspection_tables(ins):
@@ -330,23 +332,27 @@ def compare_cmd(
                                                "overlay; repeat for more (default: proxy and gold rewards, eval "
                                                "gold, KL to the reference, diversity, gradient norm)"),
     min_proxy_gain: float = _PROXY_GAIN, min_gold_drop: float = _GOLD_DROP,
-    max_diversity_drop: float = _DIVERSITY_DROP,
+    max_diversity_drop: float = _DIVERSITY_DROP, target: Optional[float] = _TARGET,
 ) -> None:
-    """Overlay the curves of several runs (labelled by folder name) in one PNG, and tabulate their final values."""
-    from steadyrl.services.run_folder.inspection import compare_runs, comparison_table
-    from steadyrl.services.run_folder.reader import NotARunFolder
+    """Overlay the curves of several runs (labelled by folder name) in one PNG, and tabulate their final values;
+    with --target, each run's time to that held-out and a PNG of held-out against training seconds."""
+    from steadyrl.services.run_folder.inspection import compare_runs, comparison_table, to_target_table
+    from steadyrl.services.run_folder.reader import NotARunFolder, run_labels
 
     rule = _hacking_rule(min_proxy_gain, min_gold_drop, max_diversity_drop)
     if len(run_dirs) < 2:
         _fail("compare needs at least two run folders")
     try:
-        cmp = compare_runs(run_dirs, out, metric)
+        cmp = compare_runs(run_dirs, out, metric, target)
     except NotARunFolder as err:
         _fail(str(err))
     except KeyError as err:
         _fail(err.args[0])
     console.print(comparison_table(cmp, rule))
-    console.print(f"figure: {cmp.figure}", soft_wrap=True)
+    if cmp.to_target is not None:
+        console.print(to_target_table(run_labels(cmp.runs), cmp.to_target))
+    console.print(f"figure: {cmp.figure}" + (f"\nheld-out against time: {cmp.time_figure}" if cmp.time_figure
+                                              else ""), soft_wrap=True)
 
 
 if __name__ == "__main__":

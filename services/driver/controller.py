@@ -208,6 +208,8 @@ class Controller:
         collapse with a healthy checkpoint to go back to raises `RollBack`."""
         cfg = self.cfg
         for step in range(start, cfg.run.steps):
+            if self.target_reached():
+                return
             metrics = self.train_step(step)
             self.steps_done = done = step + 1
             collapse = self.health.watch(done, metrics, self.learner)
@@ -222,8 +224,15 @@ class Controller:
             last = done == cfg.run.steps
             if done % cfg.run.eval_every == 0 or last:
                 self.evaluate(done)
+                last = last or self.target_reached()
             if self.checkpoint_due(done) or last:
                 self.checkpoint(done)
+
+    def target_reached(self) -> bool:
+        """Whether the latest evaluation (of the step last done) reached `run.target_held_out`: the run ends."""
+        target = self.cfg.run.target_held_out
+        return (target is not None and bool(self.evals) and self.evals[-1]["step"] == self.steps_done
+                and self.evals[-1]["held_out"] >= target)
 
     def train_step(self, step: int) -> dict[str, float]:
         """launch (up to learner.max_staleness steps ahead) -> collect `step`'s rollouts -> update the learner ->

@@ -18,7 +18,7 @@ RESUMES_LOG = "resumes.jsonl"
 # Settings that change where or how long the run goes, never what a step computes.
 RESUME_SAFE: frozenset[str] = frozenset({
     "run.steps", "run.progress", "run.runtime", "run.eval_every", "run.checkpoint_every", "run.run_dir",
-    "run.loggers", "run.max_restarts",
+    "run.loggers", "run.max_restarts", "run.target_held_out",
     "ray.address", "ray.num_cpus", "ray.actor_cpus", "ray.placement_timeout_s", "ray.learner_placement",
     "ray.step_timeout_s", "ray.max_rollout_retries", "ray.weight_sync", "ray.rollout_placement",
     "serve.host", "serve.port", "serve.replica_cpus", "serve.max_request_samples", "serve.max_body_bytes",

@@ -102,3 +102,28 @@ def save_curves(rows: list[dict[str, float]], evals: list[dict[str, Any]], path:
     fig.tight_layout()
     fig.savefig(path, dpi=90)
     plt.close(fig)
+
+
+def save_held_out_vs_time(curves: dict[str, list[list[tuple[float, float]]]], target: float | None,
+                          path: Path, title: str = "held-out against training time") -> Path:
+    """One colour per label (a method, a run), one line per run (a seed) of its (training seconds, held-out)
+    points; the target as a dashed line."""
+    fig, ax = plt.subplots(figsize=(7.5, 4.5))
+    for i, (label, runs) in enumerate(curves.items()):
+        colour = f"C{i % 10}"
+        for j, points in enumerate(runs):
+            if points:
+                xs, ys = zip(*points)
+                ax.plot(xs, ys, color=colour, marker=".", alpha=0.8, label=label if j == 0 else None)
+    if target is not None:
+        ax.axhline(target, color="grey", linestyle="--", linewidth=1, label=f"target {target:.0%}")
+    ax.set_xlabel("seconds of training steps (evaluations and start-up apart)")
+    ax.set_ylabel("held-out")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8, loc="lower right")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

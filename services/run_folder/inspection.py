@@ -8,9 +8,11 @@ from pathlib import Path
 from rich.table import Table
 
 from steadyrl.services.run_folder.dashboard import DEFAULT_COMPARE, save_comparison, save_dashboard
+from steadyrl.services.run_folder.figures import save_held_out_vs_time
 from steadyrl.services.run_folder.html_report import write_report
 from steadyrl.services.run_folder.reader import (HackingRule, MetricSummary, RunFolder, Verdict, hacking_verdict, load_run,
                                           run_labels, summarize)
+from steadyrl.services.run_folder.time_to_target import TimeToTarget, held_out_curve, time_to_target
 
 
 @dataclass
@@ -20,17 +22,21 @@ class Inspection:
     verdict: Verdict
     dashboard: Path | None
     report: Path
+    to_target: TimeToTarget | None = None  # with a target held-out
 
 
-def inspect_run(run_dir: str | Path, out: str | Path | None = None, rule: HackingRule | None = None) -> Inspection:
-    """Read the run, write `out`/dashboard.png and `out`/report.html (default out: RUN_DIR/report)."""
+def inspect_run(run_dir: str | Path, out: str | Path | None = None, rule: HackingRule | None = None,
+                target: float | None = None) -> Inspection:
+    """Read the run, write `out`/dashboard.png and `out`/report.html (default out: RUN_DIR/report); with `target`,
+    the run's time to that held-out."""
     run = load_run(run_dir)
     out = Path(out) if out is not None else run.path / "report"
     out.mkdir(parents=True, exist_ok=True)
     summary, verdict = summarize(run), hacking_verdict(run.evals, rule)
     dashboard = save_dashboard(run, out / "dashboard.png")
     report = write_report(run, summary, verdict, dashboard, out / "report.html")
-    return Inspection(run, summary, verdict, dashboard, report)
+    return Inspection(run, summary, verdict, dashboard, report,
+                      None if target is None else time_to_target(run, target))
 
 
 def _f(value: float) -> str:
@@ -78,7 +84,22 @@ def inspection_tables(ins: Inspection) -> list[Table]:
             restarts.add_row(str(r.get("restart")), str(r.get("failed_step")), str(r.get("resumed_from_step")),
                              str(r.get("steps_redone")), _f(r.get("recovery_s")), str(r.get("cause")))
         tables.append(restarts)
+    if ins.to_target is not None:
+        tables.append(to_target_table([run.name], [ins.to_target]))
     return tables
+
+
+def to_target_table(labels: list[str], times: list[TimeToTarget]) -> Table:
+    """One row per run: the first evaluated step at the target, the training seconds and samples up to it."""
+    table = Table(title=f"time to {times[0].target:.1%} held-out (first evaluation at or above it; seconds of "
+                        "training steps, evaluations and start-up apart)")
+    for col in ("run", "step", "training (s)", "samples", "best held-out (step)", "evaluations"):
+        table.add_column(col, justify="left" if col == "run" else "right")
+    for label, t in zip(labels, times):
+        best = "-" if t.best_step is None else f"{t.best:.1%} ({t.best_step})"
+        table.add_row(label, str(t.step) if t.reached else "not reached", _f(t.train_s), _f(t.samples), best,
+                      str(t.evals))
+    return table
 
 
 @dataclass
@@ -86,11 +107,15 @@ class Comparison:
     runs: list[RunFolder]
     keys: list[str]
     figure: Path
+    to_target: list[TimeToTarget] | None = None  # with a target held-out, each run's time to it
+    time_figure: Path | None = None  # ... and their held-out against training seconds
 
 
-def compare_runs(run_dirs: list[str | Path], out: str | Path, keys: list[str] | None = None) -> Comparison:
+def compare_runs(run_dirs: list[str | Path], out: str | Path, keys: list[str] | None = None,
+                 target: float | None = None) -> Comparison:
     """Overlay the runs' curves of `keys` (default DEFAULT_COMPARE) in `out`/compare.png. A key given explicitly
-    that no run logged is an error naming it; a default key no run has is left out."""
+    that no run logged is an error naming it; a default key no run has is left out. With `target`, each run's
+    time to that held-out and `out`/held_out_vs_time.png."""
     runs = [load_run(d) for d in run_dirs]
     if keys:
         missing = [k for k in keys if not any(r.has(k) for r in runs)]
@@ -100,7 +125,13 @@ def compare_runs(run_dirs: list[str | Path], out: str | Path, keys: list[str] | 
     keys = [k for k in (keys or DEFAULT_COMPARE) if any(r.has(k) for r in runs)]
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    return Comparison(runs, keys, save_comparison(runs, keys, out / "compare.png"))
+    cmp = Comparison(runs, keys, save_comparison(runs, keys, out / "compare.png"))
+    if target is not None:
+        cmp.to_target = [time_to_target(run, target) for run in runs]
+        cmp.time_figure = save_held_out_vs_time(
+            {label: [held_out_curve(run)] for label, run in zip(run_labels(runs), runs)}, target,
+            out / "held_out_vs_time.png")
+    return cmp
 
 
 def comparison_table(cmp: Comparison, rule: HackingRule | None = None) -> Table:

@@ -18,4 +18,5 @@ def build_learner(cfg: TrainConfig, policy: nn.Module, sampler=None):
     sampler = sampler if sampler is not None else build_testbed(cfg).build_sampler()
     # the objective, the prepared policy, its reference and the optimiser are built in trainer/builders.py
     return build_deepspeed_learner(policy, sampler, cfg.objective, cfg.learner, seed=cfg.run.seed,
-                                   reward_fn=cfg.testbed.differentiable_reward() if backprop else None)
+                                   reward_fn=cfg.testbed.differentiable_reward() if backprop else None,
+                                   compile_cfg=cfg.compile)

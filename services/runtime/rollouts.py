@@ -14,6 +14,7 @@ from torch import Tensor
 
 from steadyrl.reward.ensemble import EnsembleScores, attach_scores
 from steadyrl.rollout.batch import POLICY_VERSION, RolloutBatch
+from steadyrl.rollout.compile import compile_network, compile_seconds
 from steadyrl.rollout.policy import load_trainable_state
 from steadyrl.services.config import TrainConfig
 from steadyrl.services.testbeds import build_testbed
@@ -34,6 +35,8 @@ class Rollouts:
         self.cfg = cfg
         self.testbed = build_testbed(cfg)
         self.policy = self.testbed.build_rollout_policy(base_weights, device)
+        if cfg.compile.rollout:
+            compile_network(self.policy, cfg.compile)
         self.sampler = self.testbed.build_sampler()
         self.version = 0  # learner updates behind the weights held (0: the base weights)
 
@@ -49,7 +52,7 @@ class Rollouts:
         sampling seed depends only on (run seed, step, index), so a re-issued call redraws the same samples."""
         gen = torch.Generator().manual_seed(step_seed(self.cfg.run.seed, step, index))
         prompts, group_offset = self.testbed.train_prompts(index, n_workers, step)
-        t0 = time.perf_counter()
+        t0, compiled_s = time.perf_counter(), compile_seconds()
         # an SDE window (MixGRPO, Flow-GRPO-Fast) sits where (config, step, run seed) put it, on every worker
         window = {"train_step": step, "window_seed": self.cfg.run.seed} if getattr(self.sampler, "windowed", False) \
             else {}
@@ -61,6 +64,8 @@ class Rollouts:
         summary = self.testbed.rollout_summary(batch, scores)
         summary.update({"timing_s/rollout": t1 - t0, "timing_s/reward": time.perf_counter() - t1,
                         "n": float(len(batch))})
+        if self.cfg.compile.rollout:
+            summary["timing_s/rollout_compile"] = compile_seconds() - compiled_s  # within timing_s/rollout
         return batch, summary
 
     def score(self, batch: RolloutBatch, score: Scorer) -> tuple[RolloutBatch, EnsembleScores]:
@@ -71,8 +76,11 @@ class Rollouts:
 
     def evaluate(self, seed: int, score: Scorer) -> dict[str, Any]:
         """The testbed's held-out evaluation on seeded samples (accuracy, reward, diversity, a picture)."""
-        gen = torch.Generator().manual_seed(seed)
+        gen, compiled_s = torch.Generator().manual_seed(seed), compile_seconds()
         batch = self.testbed.sample(self.testbed.eval_sampler(), self.policy, self.testbed.eval_prompts(),
                                     self.testbed.eval_per_prompt, gen)
         batch, scores = self.score(batch, score)
-        return self.testbed.eval_summary(batch, scores)
+        summary = self.testbed.eval_summary(batch, scores)
+        if self.cfg.compile.rollout:  # the evaluation's batch shape compiles once too
+            summary["rollout_compile_s"] = compile_seconds() - compiled_s
+        return summary

@@ -1,0 +1,156 @@
+"""Time to a held-out target: each arm (a preset and its overrides) on several seeds, until its held-out
+evaluation first reaches the target or its step budget runs out.
+
+    python benchmarks/time_to_target.py [--arm LABEL=CONFIG [key=value ...]] ... [--seeds 0 1 2] [--target 0.95]
+        [--eval-every 5] [--steps N] [--until target|budget] [--runtime local] [--keep DIR]
+        [--out benchmarks/results/time_to_target.json]
+
+Each run is `steadyrl train --local` (the product loop in one process; `--runtime ray`: `steadyrl train` over a
+local Ray and Serve) in its own subprocess, one after another, with `run.eval_every` small enough to place the
+crossing (the evaluation is the preset's own seeded held-out set) and, with `--until target`, `run.target_held_out`
+ending the run at the crossing. Per run (services/run_folder/time_to_target.py): the first evaluated step at or
+above the target, the seconds of training steps and the rollout samples until then, the final held-out, proxy and
+diversity, the reward-hacking verdict, and the command's whole wall time (start-up and evaluations included). Per
+arm: the median and min..max over its seeds. Also a PNG of held-out against training seconds, a line per run, a
+colour per arm. Default target: 95 % on digits, 92 % exact match on arith (base 85.6 %).
+"""
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from figures import spread, write_json  # noqa: E402
+
+DEFAULT_TARGETS = {"digits": 0.95, "arith": 0.92}  # held-out level per testbed when --target is not given
+DEFAULT_ARM = "default=configs/digits-grpo.yaml"
+
+
+def parse_arm(text: str) -> tuple[str, str, list[str]]:
+    """'LABEL=CONFIG key=value ...' -> (label, config, overrides)."""
+    head, *overrides = text.split()
+    label, sep, config = head.partition("=")
+    if not sep or not label or not config:
+        raise argparse.ArgumentTypeError(f"--arm {text!r}: expected 'LABEL=CONFIG [key=value ...]'")
+    if not (ROOT / config).is_file() and not Path(config).is_file():
+        raise argparse.ArgumentTypeError(f"--arm {text!r}: no config file {config}")
+    return label, config, overrides
+
+
+def one_run(config: str, overrides: list[str], run: Path, runtime: str) -> float:
+    """`steadyrl train` of one arm and seed into `run`; the command's wall seconds."""
+    cmd = [sys.executable, "-m", "steadyrl.services.driver.cli", "train", config, f"run.runtime={runtime}",
+           f"run.run_dir={run}", "run.progress=false", "serve.port=0", *overrides]
+    t0 = time.perf_counter()
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} exited {done.returncode}:\n{done.stdout[-2000:]}{done.stderr[-3000:]}")
+    return time.perf_counter() - t0
+
+
+def run_record(run: Path, target: float, wall_s: float) -> dict:
+    """What one finished run shows: its time to the target, final evaluation and verdict."""
+    from steadyrl.services.run_folder.reader import hacking_verdict, load_run
+    from steadyrl.services.run_folder.time_to_target import held_out_curve, time_to_target
+
+    folder = load_run(run)
+    final = folder.evals[-1]
+    verdict = hacking_verdict(folder.evals)
+    return {**time_to_target(folder, target).as_dict(), "steps_run": int(folder.metrics[-1]["step"]),
+            "final_held_out": final["held_out"], "final_proxy": final.get("proxy_mean"),
+            "final_diversity_nn": final.get("diversity_nn"), "base_held_out": folder.evals[0]["held_out"],
+            "base_diversity_nn": folder.evals[0].get("diversity_nn"), "hacking_suspected": verdict.suspected,
+            "command_wall_s": wall_s, "curve": held_out_curve(folder)}
+
+
+def arm_summary(runs: list[dict]) -> dict:
+    """Median and min..max over the arm's seeds of what reached the target, and how many did."""
+    reached = [r for r in runs if r["reached"]]
+    out = {"seeds": len(runs), "reached": len(reached),
+           "hacking_flagged": sum(bool(r["hacking_suspected"]) for r in runs)}
+    for key in ("step", "train_s", "samples"):
+        values = [float(r[key]) for r in reached]
+        out[key] = spread(values) if values else None
+    for key in ("final_held_out", "final_diversity_nn", "final_proxy", "command_wall_s"):
+        out[key] = spread([float(r[key]) for r in runs if r[key] is not None])
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--arm", action="append", type=parse_arm, help=f"LABEL=CONFIG [key=value ...] (repeat; "
+                    f"default {DEFAULT_ARM!r})")
+    ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    ap.add_argument("--target", type=float, default=None, help="held-out level (default per testbed: "
+                    + ", ".join(f"{k} {v:g}" for k, v in DEFAULT_TARGETS.items()) + ")")
+    ap.add_argument("--eval-every", type=int, default=5, help="steps between held-out evaluations")
+    ap.add_argument("--steps", type=int, default=None, help="step budget (default: each preset's run.steps)")
+    ap.add_argument("--until", choices=("target", "budget"), default="target",
+                    help="target: end each run at its crossing (run.target_held_out); budget: run every step, so "
+                    "the final held-out and diversity compare at one step count")
+    ap.add_argument("--runtime", choices=("local", "ray"), default="local")
+    ap.add_argument("--keep", type=Path, default=None, help="keep the run folders here (default: deleted)")
+    ap.add_argument("--out", type=Path, default=Path("benchmarks/results/time_to_target.json"))
+    args = ap.parse_args()
+    arms = args.arm or [parse_arm(DEFAULT_ARM)]
+    if len({label for label, _, _ in arms}) != len(arms):
+        ap.error("--arm labels must differ")
+
+    from steadyrl.services.config import load_config
+    from steadyrl.services.run_folder.figures import save_held_out_vs_time
+
+    testbeds = {load_config(ROOT / config, overrides).testbed.name for _, config, overrides in arms}
+    target = args.target
+    if target is None:
+        known = {DEFAULT_TARGETS.get(t) for t in testbeds}
+        if None in known or len(known) != 1:
+            ap.error(f"--target: no single default for testbeds {sorted(testbeds)}; give one")
+        target = known.pop()
+
+    results: dict[str, dict] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        folders = args.keep or Path(tmp)
+        total, n = len(arms) * len(args.seeds), 0
+        for label, config, overrides in arms:
+            runs = []
+            for seed in args.seeds:
+                n += 1
+                extra = [f"run.seed={seed}", f"run.eval_every={args.eval_every}",
+                         *([f"run.steps={args.steps}"] if args.steps else []),
+                         *([f"run.target_held_out={target}"] if args.until == "target" else []), *overrides]
+                run = folders / f"{label}-seed{seed}"
+                wall = one_run(config, extra, run, args.runtime)
+                runs.append({"seed": seed, **run_record(run, target, wall)})
+                r = runs[-1]
+                where = f"step {r['step']}, {r['train_s']:.1f} s" if r["reached"] else "not reached"
+                print(f"[{n}/{total}] {label} seed {seed}: {where}; final held-out {r['final_held_out']:.3f}, "
+                      f"diversity {r['final_diversity_nn']:.2f} ({wall:.0f} s)", flush=True)
+            results[label] = {"config": config, "overrides": overrides, "runs": runs, "summary": arm_summary(runs)}
+
+    png = args.out.with_suffix(".png")
+    save_held_out_vs_time({label: [r["curve"] for r in res["runs"]] for label, res in results.items()}, target, png,
+                          f"time to {target:.0%} held-out ({len(args.seeds)} seeds per arm)")
+    write_json({
+        "command": "python benchmarks/time_to_target.py " + " ".join(sys.argv[1:]),
+        "target_held_out": target, "seeds": args.seeds, "eval_every": args.eval_every, "until": args.until,
+        "runtime": args.runtime, "figure": str(png), "arms": results,
+        "note": "train_s: seconds of training steps (timing_s/step) up to the first evaluation at or above the "
+                "target; command_wall_s: the whole command (start-up, evaluations, checkpoints)"},
+               args.out, leave_out_of_summary=("arms",))
+    for label, res in results.items():
+        s = res["summary"]
+        t = s["train_s"]
+        print(f"{label}: reached {s['reached']}/{s['seeds']}"
+              + (f", {t['median']:.1f} s [{t['min']:.1f}..{t['max']:.1f}] at step {s['step']['median']:.0f}" if t
+                 else ""))
+    print(f"wrote {args.out} and {png}")
+
+
+if __name__ == "__main__":
+    main()
