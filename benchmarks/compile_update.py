@@ -139,6 +139,8 @@ def main() -> None:
     ap.add_argument("--pairs", type=int, default=1)
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results/compile_update.json"))
     args = ap.parse_args()
+    # every compile from an empty inductor cache, as on a fresh machine (this process's and each run's own)
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="inductor-")
     peak = matmul_peak()
     print(f"matmul peak {peak['flops_per_s'] / 1e9:.1f} GFLOP/s", flush=True)
     passes = model_pass(args.config, peak["flops_per_s"])

@@ -61,16 +61,8 @@ class SamplerBase(StrictModel):
         return False
 
 
-class DDIMSamplerConfig(SamplerBase):
-    """DDIM on an epsilon-prediction UNet, eta > 0 so that every step but the last is a Gaussian policy."""
-
-    kind: Literal["ddim"] = "ddim"
-    prediction: ClassVar[str] = "epsilon"
-    eta: float = Field(1.0, gt=0.0, le=1.0)
-
-
 class SDEWindowConfig(StrictModel):
-    """Which steps of a flow-SDE rollout are SDE (and trained): `size` consecutive stochastic steps from a start
+    """Which steps of a rollout are SDE (and trained): `size` consecutive stochastic steps from a start
     that is fixed, slides with the training step (MixGRPO) or is drawn per training step (Flow-GRPO-Fast).
     Positions count the sampler's stochastic steps (std >= min_std), 0 = the noisiest."""
 
@@ -122,6 +114,36 @@ class SDEWindowConfig(StrictModel):
         return self
 
 
+def check_window_on_grid(w: SDEWindowConfig | None, num_steps: int) -> None:
+    """The window (its fixed start, or its highest random start) fits a grid of `num_steps` steps."""
+    if w is not None and w.start + w.size > num_steps:
+        raise ValueError(f"sampler.sde_window: start={w.start} + size={w.size} runs past the grid's "
+                         f"num_steps={num_steps} steps")
+    if w is not None and w.start_max is not None and w.start_max + w.size > num_steps:
+        raise ValueError(f"sampler.sde_window: start_max={w.start_max} + size={w.size} runs past the grid's "
+                         f"num_steps={num_steps} steps")
+
+
+class DDIMSamplerConfig(SamplerBase):
+    """DDIM on an epsilon-prediction UNet, eta > 0 so that every step but the last is a Gaussian policy."""
+
+    kind: Literal["ddim"] = "ddim"
+    prediction: ClassVar[str] = "epsilon"
+    eta: float = Field(1.0, gt=0.0, le=1.0)
+    sde_window: SDEWindowConfig | None = Field(
+        None, description="None: every stochastic step draws with sigma and is trained (DDPO). Set: only the "
+        "window's steps do, the others are deterministic DDIM (eta = 0) and untrained: MixGRPO's and "
+        "Flow-GRPO-Fast's window on DDIM, fewer trained steps per sample (rollout/sde_window.py)")
+
+    @model_validator(mode="after")
+    def _window_on_grid(self) -> "DDIMSamplerConfig":
+        check_window_on_grid(self.sde_window, self.num_steps)
+        if self.sde_window is not None and self.sde_window.after != "euler":
+            raise ValueError("sampler.sde_window.after=dpm_solver++ solves a flow's tail (MixGRPO-Flash): DDIM's "
+                             "steps after the window are deterministic DDIM; leave after=euler")
+        return self
+
+
 class FlowSDESamplerConfig(SamplerBase):
     """Flow-GRPO's SDE on a velocity-prediction (rectified-flow) UNet."""
 
@@ -162,13 +184,7 @@ class FlowSDESamplerConfig(SamplerBase):
             raise ValueError(f"sampler.noise_level={self.noise_level} with sde_type=cps: std = s_next sin(a pi / 2) "
                              "peaks at a = 1 (all of the step's noise fresh) and folds back above it; use a <= 1 "
                              "(flow_grpo: 0.8)")
-        w = self.sde_window
-        if w is not None and w.start + w.size > self.num_steps:
-            raise ValueError(f"sampler.sde_window: start={w.start} + size={w.size} runs past the grid's "
-                             f"num_steps={self.num_steps} steps")
-        if w is not None and w.start_max is not None and w.start_max + w.size > self.num_steps:
-            raise ValueError(f"sampler.sde_window: start_max={w.start_max} + size={w.size} runs past the grid's "
-                             f"num_steps={self.num_steps} steps")
+        check_window_on_grid(self.sde_window, self.num_steps)
         return self
 
 

@@ -56,7 +56,7 @@ from steadyrl.rollout.dpm_solver import DPMSolverPPTail
 from steadyrl.rollout.flow_grid import integer_timesteps, post_window_sigmas, static_shift, time_shift_sigmas
 from steadyrl.rollout.policy import Cond
 from steadyrl.rollout.sampler import ConditionalModel, GaussianStepSampler, StepDistribution, reduce_pixels
-from steadyrl.rollout.sde_window import window_mask
+from steadyrl.rollout.sde_window import WindowedSteps, window_mask
 
 __all__ = ["FlowSDESampler", "flow_sigmas", "flow_noise_level", "cps_std", "cps_step", "cps_logp",
            "CPSStepDistribution"]
@@ -129,7 +129,7 @@ class CPSStepDistribution(StepDistribution):
         return cps_logp(x_next, self.mean, reduce)
 
 
-class FlowSDESampler(GaussianStepSampler):
+class FlowSDESampler(WindowedSteps, GaussianStepSampler):
     """The velocity model's flow-matching grid as a per-step Gaussian policy (Flow-GRPO's SDE).
 
     Attributes ([T]): sigmas [T+1] (grid, float64), timesteps (model timesteps), noise_level
@@ -185,17 +185,6 @@ class FlowSDESampler(GaussianStepSampler):
         """The Euler step of the probability-flow ODE: x_next = x + v Delta (the SDE mean at a = 0)."""
         v = policy(x_t, self.timesteps[step].to(x_t.device), cond)
         return x_t + v * self._coef(self.delta, step, x_t)
-
-    @property
-    def windowed(self) -> bool:
-        """Training rollouts use an SDE window (they need the training step: `sample(..., train_step=k)`)."""
-        return self.cfg.sde_window is not None
-
-    def sde_steps(self, train_step: int | None, window_seed: int = 0) -> Tensor:
-        """[T] bool: the SDE (trained) steps of a rollout at training step `train_step` (None: all stochastic)."""
-        if self.cfg.sde_window is None or train_step is None:
-            return self.trainable.clone()
-        return window_mask(self.cfg.sde_window, self.trainable, train_step, window_seed)
 
     def tail_solver(self, sde: Tensor) -> DPMSolverPPTail | None:
         """The DPM-Solver++ tail after the SDE steps `sde` [T] (sde_window.after=dpm_solver++), from the step after

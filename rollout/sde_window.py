@@ -22,12 +22,14 @@ last two steps are never trained; here the window keeps its size (its start stop
 """
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import Tensor
 
 from steadyrl.rollout.config import SDEWindowConfig
 
-__all__ = ["window_start", "window_mask", "window_seed"]
+__all__ = ["WindowedSteps", "window_start", "window_mask", "window_seed"]
 
 
 def window_seed(seed: int, step: int) -> int:
@@ -66,3 +68,23 @@ def window_mask(cfg: SDEWindowConfig, stochastic: Tensor, step: int, seed: int =
     mask = torch.zeros_like(stochastic, dtype=torch.bool)
     mask[where[first:first + cfg.size]] = True
     return mask
+
+
+class WindowedSteps:
+    """The SDE-window half of a Gaussian step sampler whose `cfg.sde_window` may be set (flow SDE, DDIM): which
+    steps a training rollout draws from the SDE and trains; its other stochastic steps take the sampler's
+    deterministic `ode_mean`. Needs `self.cfg` and `self.trainable` [T]."""
+
+    cfg: Any
+    trainable: Tensor
+
+    @property
+    def windowed(self) -> bool:
+        """Training rollouts use an SDE window (they need the training step: `sample(..., train_step=k)`)."""
+        return self.cfg.sde_window is not None
+
+    def sde_steps(self, train_step: int | None, window_seed: int = 0) -> Tensor:
+        """[T] bool: the SDE (trained) steps of a rollout at training step `train_step` (None: all stochastic)."""
+        if self.cfg.sde_window is None or train_step is None:
+            return self.trainable.clone()
+        return window_mask(self.cfg.sde_window, self.trainable, train_step, window_seed)

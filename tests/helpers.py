@@ -314,3 +314,17 @@ def loopback_cluster(roles: dict[str, dict[str, float]]) -> tuple[Any, dict[str,
                  for role, resources in roles.items()}
         cluster.wait_for_nodes()
     return cluster, nodes
+
+
+def spy_on_log_prob(sampler) -> list[int]:
+    """The steps `sampler.log_prob` is asked for from now on (the learner's recompute and its terms), appended to
+    the list returned; the sampler still computes them."""
+    asked: list[int] = []
+    log_prob = sampler.log_prob
+
+    def spy(policy, batch, step):
+        asked.extend(torch.as_tensor(step).flatten().tolist())
+        return log_prob(policy, batch, step)
+
+    sampler.log_prob = spy
+    return asked

@@ -17,13 +17,14 @@ from tests.helpers import train_local
 
 RUN = ["run.steps=3", "run.eval_every=3", "run.checkpoint_every=3", "sampler.group_size=4",
        "testbed.eval_samples_per_class=4"]
-# Compiled kernels fuse and reorder float operations: on the same weights a compiled pass equals the eager one to
-# these tolerances, not bitwise. Across updates two runs part further, as any two float orders do (the PPO clip at
-# eps 1e-4 turns rounding into different clip decisions): learning is compared by held-out, not by weights
-# (benchmarks/time_to_target.py).
+# Compiled kernels fuse and reorder float operations: a compiled pass equals the eager one to these tolerances,
+# not bitwise, and the runs stay that close over their updates (benchmarks/compile_update.py: the same training
+# reward to 4 decimals over 6 default steps). With inductor's CPU layout optimisation on, step 2 already differed
+# by 0.013 (wrong gradients).
 REWARD_TOL = 1e-5  # |compiled - eager| of the mean training reward of step 1's rollouts (the base weights)
-OUTPUT_TOL = 1e-5  # max |compiled - eager| / max |eager| of the network's output, and of each gradient
-GRAD_TOL = 1e-4
+RUN_REWARD_TOL = 1e-3  # ... of every later step's, after updates computed compiled and eager
+OUTPUT_TOL = 1e-5  # max |compiled - eager| / max |eager| of the network's output (the same weights, inputs)
+GRAD_TOL = 1e-4  # ... of each parameter's gradient
 
 
 @pytest.fixture(scope="module")
@@ -38,9 +39,11 @@ def runs(tmp_path_factory) -> dict:
     return out
 
 
-def test_the_first_rollouts_compiled_equal_the_eager_ones_to_rounding(runs):
-    eager, compiled = runs["eager"]["rows"][0], runs["compiled"]["rows"][0]
-    assert abs(eager["reward/train_mean"] - compiled["reward/train_mean"]) <= REWARD_TOL
+def test_a_compiled_run_samples_and_learns_as_the_eager_run_to_rounding(runs):
+    eager, compiled = runs["eager"]["rows"], runs["compiled"]["rows"]
+    assert abs(eager[0]["reward/train_mean"] - compiled[0]["reward/train_mean"]) <= REWARD_TOL
+    for a, b in zip(eager[1:], compiled[1:]):
+        assert abs(a["reward/train_mean"] - b["reward/train_mean"]) <= RUN_REWARD_TOL, (a["step"], a, b)
 
 
 def test_the_recompute_alarm_stays_silent_when_rollout_and_update_are_compiled(runs):

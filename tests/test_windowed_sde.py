@@ -1,6 +1,6 @@
 """Windowed SDE sampling on the rectified-flow sampler (MixGRPO, Flow-GRPO-Fast): SDE steps only inside a window
 that is fixed, slides with the training step or is drawn per step; ODE (Euler) steps elsewhere; only the
-window's steps are trained."""
+window's steps are trained (on DDIM too; its sampling: tests/test_ddim_window.py)."""
 from __future__ import annotations
 
 import pytest
@@ -8,7 +8,7 @@ import torch
 from pydantic import ValidationError
 
 from steadyrl.rollout.batch import RolloutBatch
-from steadyrl.rollout.config import FlowSDESamplerConfig, SchedulerConfig, SDEWindowConfig
+from steadyrl.rollout.config import DDIMSamplerConfig, FlowSDESamplerConfig, SchedulerConfig, SDEWindowConfig
 from steadyrl.rollout.flow_sde import FlowSDESampler
 from steadyrl.rollout.models import build_class_policy
 from steadyrl.rollout.sampler import gaussian_logp
@@ -150,23 +150,17 @@ def test_reward_backprop_refuses_windowed_rollouts():
         sampler.recorded_noise(model, draw(sampler, model, train_step=0), 3)
 
 
-def test_the_learner_trains_only_the_window_steps():
+@pytest.mark.parametrize("sampler_config", [FlowSDESamplerConfig, DDIMSamplerConfig])
+def test_the_learner_trains_only_the_window_steps(sampler_config):
     from steadyrl.services.runtime.ray_session import free_port, set_rank_env
     from steadyrl.trainer.objectives.grpo import GRPOSettings
-    from tests.helpers import make_image_learner
+    from tests.helpers import make_image_learner, spy_on_log_prob
 
     set_rank_env(free_port())
-    cfg = FlowSDESamplerConfig(num_steps=6, sde_window=SDEWindowConfig(size=2, start=1, shift_every=1))
+    cfg = sampler_config(num_steps=6, sde_window=SDEWindowConfig(size=2, start=1, shift_every=1))
     learner = make_image_learner(cfg, GRPOSettings(eps_clip=0.2, timestep_fraction=1.0))
     sampler = learner.sampler
-    asked: list[int] = []
-    log_prob = sampler.log_prob
-
-    def spy(policy, batch, step):  # records which steps the recompute and the terms ask for
-        asked.extend(torch.as_tensor(step).flatten().tolist())
-        return log_prob(policy, batch, step)
-
-    sampler.log_prob = spy
+    asked = spy_on_log_prob(sampler)  # the steps the recompute and the terms ask for
     model = build_class_policy(TINY_UNET)
     model.load_trainable_state_dict(learner.weights())
     for train_step, window in ((0, {1, 2}), (2, {3, 4})):
