@@ -2,7 +2,7 @@
 evaluation first reaches the target or its step budget runs out.
 
     python benchmarks/time_to_target.py [--arm LABEL=CONFIG [key=value ...]] ... [--seeds 0 1 2] [--target 0.95]
-        [--eval-every 5] [--steps N] [--until target|budget] [--runtime local] [--keep DIR]
+        [--eval-every 5] [--steps N] [--until target|budget] [--runtime local] [--baseline LABEL] [--keep DIR]
         [--out benchmarks/results/time_to_target.json]
 
 Each run is `steadyrl train --local` (the product loop in one process; `--runtime ray`: `steadyrl train` over a
@@ -12,7 +12,9 @@ ending the run at the crossing. Per run (services/run_folder/time_to_target.py):
 above the target, the seconds of training steps and the rollout samples until then, the final held-out, proxy and
 diversity, the reward-hacking verdict, and the command's whole wall time (start-up and evaluations included). Per
 arm: the median and min..max over its seeds. Also a PNG of held-out against training seconds, a line per run, a
-colour per arm. Default target: 95 % on digits, 92 % exact match on arith (base 85.6 %).
+colour per arm. Default target: 95 % on digits, 92 % exact match on arith (base 85.6 %). With `--baseline`, each
+other arm is judged by the sweep's rule (`keep_verdict`): kept only if no worse at the end in held-out and diversity
+within the baseline seeds' spread, with no reward hacking flagged.
 """
 from __future__ import annotations
 
@@ -82,6 +84,23 @@ def arm_summary(runs: list[dict]) -> dict:
     return out
 
 
+def keep_verdict(arm: dict, baseline: dict) -> dict:
+    """The sweep's rule against the baseline arm: a setting is kept only if its median final held-out and diversity
+    are no worse than the baseline's lowest seed (no worse within the seeds' spread) and no run flags reward
+    hacking; and it is faster only if its median training seconds to the target are below the baseline's."""
+    reasons = []
+    for key in ("final_held_out", "final_diversity_nn"):
+        if arm[key]["median"] < baseline[key]["min"]:
+            reasons.append(f"{key} median {arm[key]['median']:.3f} < baseline min {baseline[key]['min']:.3f}")
+    if arm["hacking_flagged"]:
+        reasons.append(f"reward hacking flagged in {arm['hacking_flagged']} run(s)")
+    if arm["reached"] < arm["seeds"]:
+        reasons.append(f"target reached in {arm['reached']} of {arm['seeds']} runs")
+    speedup = (baseline["train_s"]["median"] / arm["train_s"]["median"]
+               if arm["train_s"] and baseline["train_s"] else None)
+    return {"kept": not reasons, "reasons": reasons, "speedup_train_s": speedup}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--arm", action="append", type=parse_arm, help=f"LABEL=CONFIG [key=value ...] (repeat; "
@@ -95,12 +114,16 @@ def main() -> None:
                     help="target: end each run at its crossing (run.target_held_out); budget: run every step, so "
                     "the final held-out and diversity compare at one step count")
     ap.add_argument("--runtime", choices=("local", "ray"), default="local")
+    ap.add_argument("--baseline", default=None, help="an arm's label: judge every other arm against it "
+                    "(keep_verdict; run with --until budget so the final values compare at one step count)")
     ap.add_argument("--keep", type=Path, default=None, help="keep the run folders here (default: deleted)")
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results/time_to_target.json"))
     args = ap.parse_args()
     arms = args.arm or [parse_arm(DEFAULT_ARM)]
     if len({label for label, _, _ in arms}) != len(arms):
         ap.error("--arm labels must differ")
+    if args.baseline is not None and args.baseline not in {label for label, _, _ in arms}:
+        ap.error(f"--baseline {args.baseline!r} is not an arm's label")
 
     from steadyrl.services.config import load_config
     from steadyrl.services.run_folder.figures import save_held_out_vs_time
@@ -133,6 +156,10 @@ def main() -> None:
                       f"diversity {r['final_diversity_nn']:.2f} ({wall:.0f} s)", flush=True)
             results[label] = {"config": config, "overrides": overrides, "runs": runs, "summary": arm_summary(runs)}
 
+    if args.baseline is not None:
+        for label, res in results.items():
+            if label != args.baseline:
+                res["against_baseline"] = keep_verdict(res["summary"], results[args.baseline]["summary"])
     png = args.out.with_suffix(".png")
     save_held_out_vs_time({label: [r["curve"] for r in res["runs"]] for label, res in results.items()}, target, png,
                           f"time to {target:.0%} held-out ({len(args.seeds)} seeds per arm)")
@@ -148,7 +175,9 @@ def main() -> None:
         t = s["train_s"]
         print(f"{label}: reached {s['reached']}/{s['seeds']}"
               + (f", {t['median']:.1f} s [{t['min']:.1f}..{t['max']:.1f}] at step {s['step']['median']:.0f}" if t
-                 else ""))
+                 else "")
+              + (f"; kept: {res['against_baseline']['kept']} {res['against_baseline']['reasons']}"
+                 if "against_baseline" in res else ""))
     print(f"wrote {args.out} and {png}")
 
 

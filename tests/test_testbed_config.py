@@ -9,7 +9,7 @@ from steadyrl.services.config import CONFIG_DIR, ConfigError, TrainConfig, dump_
 from steadyrl.services.testbeds import TESTBEDS, build_testbed
 
 T2I = ["testbed.pretrained=some/pipeline"]  # never loaded: the config alone is checked
-SECTIONS = {"testbed", "run", "sampler", "objective", "learner", "serve", "ray", "health"}
+SECTIONS = {"compile", "testbed", "run", "sampler", "objective", "learner", "serve", "ray", "health"}
 
 
 @pytest.mark.parametrize("preset", ["digits-grpo", "digits-flow-grpo", "arith-grpo", "arith-sudoku-grpo",
