@@ -41,8 +41,10 @@ def window_start(cfg: SDEWindowConfig, n_stochastic: int, step: int, seed: int =
     """The window's first position (among the `n_stochastic` stochastic steps) at training step `step`."""
     last = n_stochastic - cfg.size
     if cfg.start > last:
+        off = (" (with the noise off, eta or noise_level near 0, no step is stochastic: set sampler.sde_window=null "
+               "for the deterministic sampler)") if n_stochastic == 0 else ""
         raise ValueError(f"sampler.sde_window: start={cfg.start} + size={cfg.size} runs past the sampler's "
-                         f"{n_stochastic} stochastic steps (steps with std >= sampler.min_std)")
+                         f"{n_stochastic} stochastic steps (steps with std >= sampler.min_std){off}")
     if step < 0:
         raise ValueError(f"training step must be >= 0, got {step}")
     if cfg.random:

@@ -82,6 +82,12 @@ def ensure_digits_app() -> None:
     deploy_reward_app(make_testbed(DigitsSettings()), load_config(CONFIG_DIR / "smoke.yaml").serve, reuse=True)
 
 
+def noise_off(kind: str) -> list[str]:
+    """Overrides that turn a sampler's noise off (every step the deterministic DDIM / Euler step): the noise near 0
+    and no SDE window (the default job's window would have no stochastic step left to hold)."""
+    return ["sampler.noise_level=1e-12" if kind == "flow" else "sampler.eta=1e-12", "sampler.sde_window=null"]
+
+
 def train_local(config: Path, run_dir: Path, overrides: list[str] = ()) -> tuple[Any, list[dict]]:
     """`steadyrl train --local`: the product loop in this process (no Ray, no Serve); (RunResult, metrics rows)."""
     from steadyrl.services.driver.controller import train

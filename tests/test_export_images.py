@@ -30,7 +30,7 @@ from steadyrl.services.config import load_config
 from steadyrl.services.driver.evaluate import checkpoint_policy
 from steadyrl.services.driver.export import ExportError, export_run
 from steadyrl.services.testbeds import build_testbed
-from tests.helpers import train_local
+from tests.helpers import noise_off, train_local
 from tests.tiny_models import (save_tiny_flux_pipeline, save_tiny_sd3_pipeline, save_tiny_sd_pipeline,
                                save_tiny_sdxl_pipeline)
 
@@ -186,7 +186,7 @@ def test_a_merged_export_is_a_whole_pipeline_whose_own_call_makes_the_policys_im
     assert 0 < worst(ours.samples, theirs.samples) < MERGED_TOLERANCE
     assert worst(ours.old_logp, theirs.old_logp) < MERGED_TOLERANCE
     # the folder's own sampling loop, as `pipe(prompt)` runs it, from steadyrl's x_T
-    tb0, policy0 = run_policy(run, "sampler.noise_level=1e-12" if family in FLOW else "sampler.eta=1e-12")
+    tb0, policy0 = run_policy(run, *noise_off("flow" if family in FLOW else "ddim"))
     prompts = tb0.eval_prompts()[:1]
     batch = tb0.sample(tb0.build_sampler(), policy0, prompts, 2, torch.Generator().manual_seed(7))
     images = (tb0.reward_inputs(policy0, batch)[0] + 1) / 2
@@ -231,7 +231,7 @@ def test_digits_export_as_a_unet_and_scheduler_that_diffusers_loads_and_samples_
     assert same_rollouts(eval_samples(tb, policy), eval_samples(tb, loaded))
     namespace: dict = {}
     exec(info.load.replace("{path}", str(out)), namespace)
-    tb0, policy0 = run_policy(run, "sampler.noise_level=1e-12" if kind == "flow" else "sampler.eta=1e-12")
+    tb0, policy0 = run_policy(run, *noise_off(kind))
     ours = tb0.sample(tb0.build_sampler(), policy0, tb0.eval_prompts(), 1, torch.Generator().manual_seed(0))
     images = namespace["images"]
     assert images.shape == (10, 1, 8, 8) and bool(((images > 0.05) & (images < 0.95)).any())  # not all saturated

@@ -11,6 +11,7 @@ import torch
 
 from steadyrl.services.config import ConfigError, load_config
 from steadyrl.services.testbeds import build_testbed
+from tests.helpers import noise_off
 from tests.tiny_models import (save_tiny_flux_pipeline, save_tiny_sd3_pipeline, save_tiny_sd_pipeline,
                                save_tiny_sdxl_pipeline)
 
@@ -57,9 +58,8 @@ def test_sampling_with_the_noise_off_is_the_diffusers_pipelines_own_loop(pipelin
     the pipeline's own add_time_ids for its default size, no crop; pooled text embeddings of both prompts)."""
     from diffusers import DiffusionPipeline
 
-    knob = "sampler.noise_level=1e-12" if family in FLOW else "sampler.eta=1e-12"
     neg = [f"testbed.negative_prompt={negative}"] if negative else []
-    tb, policy = t2i_policy(pipelines, family, knob, "testbed.guidance_scale=3.0", *neg,
+    tb, policy = t2i_policy(pipelines, family, *noise_off("flow" if family in FLOW else "ddim"), "testbed.guidance_scale=3.0", *neg,
                             "testbed.lora=null")
     sampler = tb.build_sampler()
     assert not bool(sampler.trainable.any())  # the noise is off: no stochastic step
