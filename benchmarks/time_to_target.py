@@ -87,7 +87,8 @@ def arm_summary(runs: list[dict]) -> dict:
 def keep_verdict(arm: dict, baseline: dict) -> dict:
     """The sweep's rule against the baseline arm: a setting is kept only if its median final held-out and diversity
     are no worse than the baseline's lowest seed (no worse within the seeds' spread) and no run flags reward
-    hacking; and it is faster only if its median training seconds to the target are below the baseline's."""
+    hacking (and every run reached the target); beside the verdict, the speed-up of its median training seconds to
+    the target over the baseline's."""
     reasons = []
     for key in ("final_held_out", "final_diversity_nn"):
         if arm[key]["median"] < baseline[key]["min"]:
