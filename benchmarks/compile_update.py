@@ -94,7 +94,7 @@ def model_pass(config: str, peak: float) -> dict:
     first_s = time.perf_counter() - t0
     fwd_bwd()
     compiled_s = seconds(fwd_bwd)
-    n_trained = max(1, round(cfg.objective.timestep_fraction * len(sampler.train_steps(cfg.objective.train_min_std))))
+    n_trained = trained_steps_per_sample(cfg, sampler)
     prompts = len(testbed.train_prompts(0, 1, 0)[0])  # a step's prompts: each sampled group_size times
     per_update = prompts * cfg.sampler.group_size * n_trained * cfg.learner.inner_epochs  # forward+backward passes
     out = {"samples": len(x), "flops": flops, "trained_steps_per_sample": n_trained,
@@ -104,6 +104,15 @@ def model_pass(config: str, peak: float) -> dict:
     out["compiled"]["first_call_s"] = first_s
     out["speedup"] = eager_s / compiled_s
     return out
+
+
+def trained_steps_per_sample(cfg, sampler) -> int:
+    """Denoising steps the update trains per sample: the sampler's steps with std >= train_min_std, within a training
+    rollout's SDE window when there is one (as `Learner.batch_train_steps`), times `timestep_fraction`."""
+    trainable = sampler.train_steps(cfg.objective.train_min_std)
+    if getattr(sampler, "windowed", False):
+        trainable = trainable[sampler.sde_steps(train_step=1)[trainable]]
+    return max(1, round(cfg.objective.timestep_fraction * len(trainable)))
 
 
 def train_run(config: str, steps: int, compiled: bool) -> dict:

@@ -3,7 +3,7 @@ evaluation first reaches the target or its step budget runs out.
 
     python benchmarks/time_to_target.py [--arm LABEL=CONFIG [key=value ...]] ... [--seeds 0 1 2] [--target 0.95]
         [--eval-every 5] [--steps N] [--until target|budget] [--runtime local] [--baseline LABEL] [--keep DIR]
-        [--out benchmarks/results/time_to_target.json]
+        [--reuse EARLIER.json ...] [--out benchmarks/results/time_to_target.json]
 
 Each run is `steadyrl train --local` (the product loop in one process; `--runtime ray`: `steadyrl train` over a
 local Ray and Serve) in its own subprocess, one after another, with `run.eval_every` small enough to place the
@@ -14,11 +14,15 @@ diversity, the reward-hacking verdict, and the command's whole wall time (start-
 arm: the median and min..max over its seeds. Also a PNG of held-out against training seconds, a line per run, a
 colour per arm. Default target: 95 % on digits, 92 % exact match on arith (base 85.6 %). With `--baseline`, each
 other arm is judged by the sweep's rule (`keep_verdict`): kept only if no worse at the end in held-out and diversity
-within the baseline seeds' spread, with no reward hacking flagged.
+within the baseline seeds' spread, with no reward hacking flagged. `--reuse` takes an arm's runs from an earlier
+output instead of running them again when that output ran the same config, overrides, seeds, target, evaluation
+interval, step budget, stopping rule and runtime (the arm records which file it came from), so that a sweep grows
+arm by arm with every arm in one JSON.
 """
 from __future__ import annotations
 
 import argparse
+import json
 import subprocess
 import sys
 import tempfile
@@ -102,6 +106,20 @@ def keep_verdict(arm: dict, baseline: dict) -> dict:
     return {"kept": not reasons, "reasons": reasons, "speedup_train_s": speedup}
 
 
+def reusable_arm(earlier: list[Path], label: str, config: str, overrides: list[str], setup: dict) -> dict | None:
+    """The arm `label` from the first earlier output that ran it exactly as this sweep would (config, overrides and
+    `setup`: seeds, target, eval_every, steps, until, runtime), with `reused_from` naming that file; else None."""
+    for path in earlier:
+        old = json.loads(path.read_text())
+        arm = old["arms"].get(label)
+        was = {"seeds": old["seeds"], "target": old["target_held_out"], "eval_every": old["eval_every"],
+               "steps": old.get("steps"), "until": old["until"], "runtime": old["runtime"]}
+        if arm and arm["config"] == config and arm["overrides"] == overrides and was == setup:
+            return {**{k: v for k, v in arm.items() if k != "against_baseline"},
+                    "reused_from": arm.get("reused_from", str(path))}
+    return None
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--arm", action="append", type=parse_arm, help=f"LABEL=CONFIG [key=value ...] (repeat; "
@@ -118,8 +136,13 @@ def main() -> None:
     ap.add_argument("--baseline", default=None, help="an arm's label: judge every other arm against it "
                     "(keep_verdict; run with --until budget so the final values compare at one step count)")
     ap.add_argument("--keep", type=Path, default=None, help="keep the run folders here (default: deleted)")
+    ap.add_argument("--reuse", type=Path, nargs="+", default=[], help="earlier outputs of this script: an arm they "
+                    "ran with the same config, overrides, seeds and settings is taken from them, not run again")
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results/time_to_target.json"))
     args = ap.parse_args()
+    for path in args.reuse:
+        if not path.is_file():
+            ap.error(f"--reuse: no file {path}")
     arms = args.arm or [parse_arm(DEFAULT_ARM)]
     if len({label for label, _, _ in arms}) != len(arms):
         ap.error("--arm labels must differ")
@@ -137,11 +160,19 @@ def main() -> None:
             ap.error(f"--target: no single default for testbeds {sorted(testbeds)}; give one")
         target = known.pop()
 
+    setup = {"seeds": args.seeds, "target": target, "eval_every": args.eval_every, "steps": args.steps,
+             "until": args.until, "runtime": args.runtime}
     results: dict[str, dict] = {}
     with tempfile.TemporaryDirectory() as tmp:
         folders = args.keep or Path(tmp)
         total, n = len(arms) * len(args.seeds), 0
         for label, config, overrides in arms:
+            reused = reusable_arm(args.reuse, label, config, overrides, setup)
+            if reused is not None:
+                n += len(args.seeds)
+                print(f"[{n}/{total}] {label}: reused from {reused['reused_from']}", flush=True)
+                results[label] = reused
+                continue
             runs = []
             for seed in args.seeds:
                 n += 1
@@ -166,7 +197,8 @@ def main() -> None:
                           f"time to {target:.0%} held-out ({len(args.seeds)} seeds per arm)")
     write_json({
         "command": "python benchmarks/time_to_target.py " + " ".join(sys.argv[1:]),
-        "target_held_out": target, "seeds": args.seeds, "eval_every": args.eval_every, "until": args.until,
+        "target_held_out": target, "seeds": args.seeds, "eval_every": args.eval_every, "steps": args.steps,
+        "until": args.until,
         "runtime": args.runtime, "figure": str(png), "arms": results,
         "note": "train_s: seconds of training steps (timing_s/step) up to the first evaluation at or above the "
                 "target; command_wall_s: the whole command (start-up, evaluations, checkpoints)"},

@@ -97,3 +97,17 @@ def test_compiling_the_rollout_of_a_vllm_engine_is_refused_naming_the_fields():
     with pytest.raises(ConfigError, match="compile.rollout.*sampler.backend=vllm"):
         load_config(CONFIG_DIR / "arith-ar-vllm-grpo.yaml", ["compile.rollout=true"])
     assert load_config(CONFIG_DIR / "arith-ar-vllm-grpo.yaml", ["compile.update=true"]).compile.update
+
+
+@pytest.mark.parametrize("overrides, trained", [
+    ([], 4),  # the default job: a window of the 4 noisiest steps, all trained
+    (["sampler.sde_window=null"], 8),  # every step with std >= 0.05 (8 of 10), all trained
+    (["objective.timestep_fraction=0.5"], 2),  # half the window
+])
+def test_the_flop_benchmark_counts_the_steps_the_learner_trains_within_the_window(overrides, trained):
+    from benchmarks.compile_update import trained_steps_per_sample
+    from steadyrl.services.config import DEFAULT_CONFIG, load_config
+    from steadyrl.services.testbeds import build_testbed
+
+    cfg = load_config(DEFAULT_CONFIG, overrides)
+    assert trained_steps_per_sample(cfg, build_testbed(cfg).build_sampler()) == trained

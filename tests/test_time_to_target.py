@@ -106,3 +106,42 @@ def test_inspect_and_compare_show_the_time_to_a_target_given(runs, tmp_path):
     assert (tmp_path / "c" / "held_out_vs_time.png").stat().st_size > 10_000
     plain = CliRunner().invoke(app, ["inspect", str(runs["full"]), "--out", str(tmp_path / "p")], terminal_width=200)
     assert "time to" not in plain.output  # only when asked
+
+
+def summary(held_out: list[float], diversity: list[float], hacking: int = 0, reached: int = 3) -> dict:
+    from benchmarks.figures import spread
+
+    return {"seeds": 3, "reached": reached, "hacking_flagged": hacking, "train_s": spread([10.0, 12.0, 14.0]),
+            "final_held_out": spread(held_out), "final_diversity_nn": spread(diversity)}
+
+
+def test_the_sweep_keeps_a_setting_only_if_its_median_end_is_no_worse_than_the_baselines_lowest_seed():
+    from benchmarks.time_to_target import keep_verdict
+
+    base = summary([0.97, 0.99, 0.995], [6.0, 6.4, 6.5])
+    at_the_edge = keep_verdict(summary([0.96, 0.97, 1.0], [5.0, 6.0, 9.0]), base)
+    assert at_the_edge == {"kept": True, "reasons": [], "speedup_train_s": 1.0}
+    below = keep_verdict(summary([0.96, 0.969, 1.0], [5.0, 5.99, 9.0]), base)
+    assert not below["kept"] and [r.split()[0] for r in below["reasons"]] == ["final_held_out",
+                                                                                "final_diversity_nn"]
+    hacked = keep_verdict(summary([0.99] * 3, [7.0] * 3, hacking=1, reached=2), base)
+    assert not hacked["kept"] and len(hacked["reasons"]) == 2
+
+
+def test_an_earlier_sweeps_arm_is_reused_only_when_it_ran_the_same_config_overrides_seeds_and_settings(tmp_path):
+    from benchmarks.time_to_target import reusable_arm
+
+    setup = {"seeds": [0, 1, 2], "target": 0.95, "eval_every": 2, "steps": None, "until": "budget",
+             "runtime": "local"}
+    arm = {"config": "configs/digits-grpo.yaml", "overrides": ["learner.lr=2e-4"], "runs": [{"seed": 0}],
+           "summary": {}, "against_baseline": {"kept": True}}
+    earlier = tmp_path / "earlier.json"
+    earlier.write_text(json.dumps({"seeds": [0, 1, 2], "target_held_out": 0.95, "eval_every": 2, "until": "budget",
+                                   "runtime": "local", "arms": {"lr": arm}}))
+    got = reusable_arm([earlier], "lr", arm["config"], arm["overrides"], setup)
+    assert got == {"config": arm["config"], "overrides": arm["overrides"], "runs": arm["runs"], "summary": {},
+                   "reused_from": str(earlier)}  # judged again against this sweep's baseline, not carried over
+    assert reusable_arm([earlier], "lr", arm["config"], ["learner.lr=3e-4"], setup) is None
+    assert reusable_arm([earlier], "lr", arm["config"], arm["overrides"], {**setup, "seeds": [0, 1]}) is None
+    assert reusable_arm([earlier], "lr", arm["config"], arm["overrides"], {**setup, "eval_every": 5}) is None
+    assert reusable_arm([earlier], "other", arm["config"], arm["overrides"], setup) is None
