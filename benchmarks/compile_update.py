@@ -25,8 +25,12 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from steadyrl.services.config import TrainConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -106,7 +110,7 @@ def model_pass(config: str, peak: float) -> dict:
     return out
 
 
-def trained_steps_per_sample(cfg, sampler) -> int:
+def trained_steps_per_sample(cfg: TrainConfig, sampler: Any) -> int:
     """Denoising steps the update trains per sample: the sampler's steps with std >= train_min_std, within a training
     rollout's SDE window when there is one (as `Learner.batch_train_steps`), times `timestep_fraction`."""
     trainable = sampler.train_steps(cfg.objective.train_min_std)
