@@ -59,16 +59,23 @@ def test_no_evaluation_has_no_best_and_is_not_reached(tmp_path):
     assert not t.reached and t.best_step is None and math.isnan(t.best) and "no evaluation" in t.text()
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory) -> dict[str, Path]:
-    """The smoke preset for 6 steps evaluated every 2 (one process, no Ray), then again with its best held-out
-    after the base as the target."""
-    root = tmp_path_factory.mktemp("ttt")
-    full, _ = train_local(CONFIG_DIR / "smoke.yaml", root / "full", SMOKE)
+PRESETS = {"digits": ("smoke.yaml", SMOKE),  # held-out: gold accuracy; arith: greedy exact match
+           "arith": ("arith-grpo.yaml", ["run.steps=4", "run.eval_every=2", "run.checkpoint_every=4",
+                                         "testbed.eval_problems=100"])}
+
+
+@pytest.fixture(scope="module", params=sorted(PRESETS))
+def runs(request, tmp_path_factory) -> dict:
+    """A preset for a few steps evaluated every 2 (one process, no Ray), then again with its best held-out after
+    the base as the target: the digits smoke preset (gold accuracy) and arith (exact match)."""
+    config, overrides = PRESETS[request.param]
+    root = tmp_path_factory.mktemp(f"ttt-{request.param}")
+    full, _ = train_local(CONFIG_DIR / config, root / "full", overrides)
     evals = json.loads((full.run_dir / "evals.json").read_text())
     target = max(e["held_out"] for e in evals[1:])
-    targeted, _ = train_local(CONFIG_DIR / "smoke.yaml", root / "targeted", [*SMOKE, f"run.target_held_out={target}"])
-    return {"full": full.run_dir, "targeted": targeted.run_dir, "target": target}
+    targeted, _ = train_local(CONFIG_DIR / config, root / "targeted", [*overrides, f"run.target_held_out={target}"])
+    return {"full": full.run_dir, "targeted": targeted.run_dir, "target": target, "config": config,
+            "overrides": overrides}
 
 
 def test_a_run_with_a_target_ends_at_the_evaluation_where_the_same_run_first_reached_it(runs):
@@ -84,8 +91,8 @@ def test_a_run_with_a_target_ends_at_the_evaluation_where_the_same_run_first_rea
 
 def test_the_same_command_run_again_on_a_run_that_reached_its_target_adds_no_step(runs):
     before = (runs["targeted"] / "metrics.jsonl").read_text()
-    again, rows = train_local(CONFIG_DIR / "smoke.yaml", runs["targeted"],
-                              [*SMOKE, f"run.target_held_out={runs['target']}", "run.resume=auto"])
+    again, rows = train_local(CONFIG_DIR / runs["config"], runs["targeted"],
+                              [*runs["overrides"], f"run.target_held_out={runs['target']}", "run.resume=auto"])
     assert (runs["targeted"] / "metrics.jsonl").read_text() == before
     assert again.steps_done == len(rows)
 
