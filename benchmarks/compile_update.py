@@ -112,11 +112,14 @@ def model_pass(config: str, peak: float) -> dict:
 
 def trained_steps_per_sample(cfg: TrainConfig, sampler: Any) -> int:
     """Denoising steps the update trains per sample: the sampler's steps with std >= train_min_std, within a training
-    rollout's SDE window when there is one (as `Learner.batch_train_steps`), times `timestep_fraction`."""
+    rollout's SDE window when there is one (as `Learner.batch_train_steps`), the objective's share of them
+    (`trainer.terms.fraction_of_steps`)."""
+    from steadyrl.trainer.terms import fraction_of_steps
+
     trainable = sampler.train_steps(cfg.objective.train_min_std)
     if getattr(sampler, "windowed", False):
         trainable = trainable[sampler.sde_steps(train_step=1)[trainable]]
-    return max(1, round(cfg.objective.timestep_fraction * len(trainable)))
+    return fraction_of_steps(len(trainable), cfg.objective.timestep_fraction)
 
 
 def train_run(config: str, steps: int, compiled: bool) -> dict:

@@ -59,8 +59,8 @@ def test_sampling_with_the_noise_off_is_the_diffusers_pipelines_own_loop(pipelin
     from diffusers import DiffusionPipeline
 
     neg = [f"testbed.negative_prompt={negative}"] if negative else []
-    tb, policy = t2i_policy(pipelines, family, *noise_off("flow" if family in FLOW else "ddim"), "testbed.guidance_scale=3.0", *neg,
-                            "testbed.lora=null")
+    tb, policy = t2i_policy(pipelines, family, *noise_off("flow" if family in FLOW else "ddim"),
+                            "testbed.guidance_scale=3.0", *neg, "testbed.lora=null")
     sampler = tb.build_sampler()
     assert not bool(sampler.trainable.any())  # the noise is off: no stochastic step
     prompts = tb.eval_prompts()[:1]

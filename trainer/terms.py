@@ -136,11 +136,16 @@ class PerStepTerms(TermProducer):
         return inputs
 
 
+def fraction_of_steps(n: int, timestep_fraction: float) -> int:
+    """Trained steps per sample out of `n` trainable ones: max(1, round(timestep_fraction x n))."""
+    return max(1, round(timestep_fraction * n))
+
+
 def steps_per_sample(ctx: UpdateContext) -> int:
     """Trained steps per sample and optimisation step: a `timestep_fraction` of them (at least one); every MC
     sample on a sequence-level sampler."""
     n = len(ctx.train_steps)
-    return n if ctx.sequence_level else max(1, round(ctx.objective.cfg.timestep_fraction * n))
+    return n if ctx.sequence_level else fraction_of_steps(n, ctx.objective.cfg.timestep_fraction)
 
 
 class SequenceTerms(TermProducer):
